@@ -1,0 +1,41 @@
+"""Evaluation helpers: held-out loss/perplexity on fixed windows, and lm-eval harness tasks."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+import torch
+
+from spes.data import eval_batches
+from spes.model import CausalLM
+
+
+@torch.no_grad()
+def heldout_loss(model: CausalLM, tokens: np.ndarray, batch_size: int, seq_len: int, num_batches: int) -> dict:
+    model.eval()
+    total, n = 0.0, 0
+    for x, y in eval_batches(tokens, batch_size, seq_len, num_batches):
+        logits = model(x).logits.float()
+        total += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                                   reduction="sum").item()
+        n += y.numel()
+    loss = total / n
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": n}
+
+
+def run_lm_eval(hf_dir: str, tasks: list[str], include_path: Optional[str] = None,
+                limit: Optional[int] = None, batch_size: int = 8) -> dict:
+    """lm-eval on an exported HF directory; returns {task: {metric: value}}."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    tm = TaskManager(include_path=include_path) if include_path else TaskManager()
+    res = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={hf_dir},dtype=float32,device=cpu",
+                                  tasks=tasks, task_manager=tm, limit=limit, batch_size=batch_size,
+                                  log_samples=False)
+    out = {}
+    for task, metrics in res["results"].items():
+        out[task] = {k.split(",")[0]: float(v) for k, v in metrics.items()
+                     if isinstance(v, (int, float)) and not k.startswith("alias") and "stderr" not in k}
+    return out

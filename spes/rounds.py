@@ -1,0 +1,147 @@
+"""One SPES sync round as library calls (no orchestration): a node's local steps and the aggregation.
+
+Everything a round needs comes from committed bundles on the store, and everything it produces is
+committed there, so any node can run on any machine and a run resumes exactly from any committed round:
+  global r-1  ->  node_round(i) for each node  ->  aggregate_round  ->  global r
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Optional
+
+import torch
+
+from spes.aggregate import NodeResult, OuterState, aggregate
+from spes.config import ModelConfig, Params
+from spes.data import BatchStream, TokenData
+from spes.merging import merge_alpha, merge_due, merge_experts
+from spes.model import CausalLM
+from spes.ownership import ownership_for
+from spes.store import Store, StoreError
+from spes.trainer import NodeTrainer
+
+MODEL_FILE, OUTER_FILE = "model.safetensors", "outer.safetensors"
+UPLOAD_FILE, OPTIM_FILE = "upload.safetensors", "optim.safetensors"
+
+
+def model_from_bundle_meta(meta: dict) -> CausalLM:
+    return CausalLM(ModelConfig(**meta["model_config"]))
+
+
+def commit_initial(store: Store, run: str, model: CausalLM, source: str) -> dict:
+    """Round 0 = the initial global model (from scratch or upcycled)."""
+    meta = {"round": 0, "step": 0, "source": source, "model_config": dataclasses.asdict(model.cfg),
+            "contributors": [], "missing": []}
+    return store.write_bundle(store.global_dir(run, 0), {MODEL_FILE: model.canonical_state_dict()}, meta)
+
+
+def load_global(store: Store, run: str, r: int) -> tuple[CausalLM, dict, Optional[OuterState]]:
+    b = store.read_bundle(store.global_dir(run, r))
+    model = model_from_bundle_meta(b.meta)
+    model.load_canonical_state_dict(b.files[MODEL_FILE])
+    outer = OuterState(dict(b.files[OUTER_FILE])) if OUTER_FILE in b.files else None
+    return model, b.manifest, outer
+
+
+def latest_node_state(store: Store, run: str, node: int, before_round: int):
+    """The node's most recent committed bundle before `before_round` (None at the start)."""
+    for r in range(before_round - 1, 0, -1):
+        rel = store.node_dir(run, r, node)
+        if store.is_committed(rel):
+            return store.read_bundle(rel, only=[OPTIM_FILE])
+    return None
+
+
+def node_round(p: Params, store: Store, run: str, r: int, node: int, data: TokenData,
+               on_step: Optional[Callable[[int], None]] = None) -> dict:
+    """Run node `node`'s `sync_steps` local steps of round r and commit its bundle; returns its meta."""
+    s = p.spes
+    rel = store.node_dir(run, r, node)
+    if store.is_committed(rel):  # a retry after the node already finished: idempotent
+        return store.read_manifest(rel)["meta"]
+    t0 = time.perf_counter()
+    model, gmanifest, _ = load_global(store, run, r - 1)
+    bytes_down = gmanifest["files"][MODEL_FILE]["bytes"]
+    cfg = model.cfg
+    own = ownership_for(s.method, cfg.num_experts, s.num_nodes, s.ownership).owned(node) if cfg.is_moe else ()
+    frozen = torch.bfloat16 if s.frozen_dtype == "bfloat16" else torch.float32
+    trainer = NodeTrainer(model, own, s.optim, s.total_steps, frozen, s.decayed_lb)
+    prev = latest_node_state(store, run, node, r)
+    position = 0
+    if prev is not None:
+        trainer.load_optimizer_tensors({k: v for k, v in prev.files[OPTIM_FILE].items() if "::" in k})
+        position = int(prev.meta["data_position"])
+    torch.manual_seed(s.seed * 100003 + node * 1009 + r)  # no dropout today; keeps any future RNG use replayable
+    stream = BatchStream(data.train, s.batch_size, s.seq_len, s.seed, node, position)
+    t_load = time.perf_counter() - t0
+
+    losses, tokens, counts = [], 0, None
+    t1 = time.perf_counter()
+    for i in range(s.sync_steps):
+        step = (r - 1) * s.sync_steps + i
+        x, y = stream.next()
+        m = trainer.train_step(x, y, step)
+        losses.append(m.ce)
+        tokens += m.tokens
+        if m.expert_counts_LE is not None:
+            counts = m.expert_counts_LE if counts is None else counts + m.expert_counts_LE
+        if on_step is not None:
+            on_step(i)
+    t_compute = time.perf_counter() - t1
+
+    t2 = time.perf_counter()
+    upload = trainer.upload()
+    optim = trainer.optimizer_tensors()
+    meta = {"round": r, "node": node, "experts": list(own), "tokens": tokens, "data_position": stream.position,
+            "step_end": r * s.sync_steps, "loss_first": losses[0], "loss_last": losses[-1],
+            "loss_mean": sum(losses) / len(losses), "losses": losses,
+            "expert_load": counts.tolist() if counts is not None else [],
+            "bytes_down": bytes_down, "seconds_load": t_load, "seconds_compute": t_compute}
+    manifest = store.write_bundle(rel, {UPLOAD_FILE: upload, OPTIM_FILE: optim}, meta)
+    meta["bytes_up"] = manifest["files"][UPLOAD_FILE]["bytes"]
+    meta["seconds_save"] = time.perf_counter() - t2
+    return meta
+
+
+def committed_nodes(store: Store, run: str, r: int, num_nodes: int) -> list[int]:
+    return [i for i in range(num_nodes) if store.is_committed(store.node_dir(run, r, i))]
+
+
+def aggregate_round(p: Params, store: Store, run: str, r: int, min_nodes: Optional[int] = None) -> dict:
+    """Combine the committed node bundles of round r into global r (with merging when due)."""
+    s = p.spes
+    rel = store.global_dir(run, r)
+    if store.is_committed(rel):
+        return store.read_manifest(rel)["meta"]
+    t0 = time.perf_counter()
+    model, _, outer = load_global(store, run, r - 1)
+    prev = model.canonical_state_dict()
+    present = committed_nodes(store, run, r, s.num_nodes)
+    need = min_nodes if min_nodes is not None else s.num_nodes
+    if len(present) < need:
+        raise StoreError(f"round {r}: only nodes {present} committed, quorum is {need} of {s.num_nodes}")
+    results, node_meta = [], {}
+    for i in present:
+        b = store.read_bundle(store.node_dir(run, r, i), only=[UPLOAD_FILE])
+        results.append(NodeResult(i, b.files[UPLOAD_FILE], tuple(b.meta["experts"]), b.meta["tokens"]))
+        node_meta[i] = b.meta
+    if s.method == "diloco" and outer is None:
+        outer = OuterState()
+    new = aggregate(s.method, prev, results, outer, token_weighted=s.token_weighted,
+                    outer_lr=s.outer_lr, outer_momentum=s.outer_momentum, outer_nesterov=s.outer_nesterov)
+    step = r * s.sync_steps
+    alpha = merge_alpha(step, s.merge.alpha_start, s.merge.decay_steps) if s.merge.enabled else 0.0
+    merged = model.cfg.is_moe and s.merge.enabled and merge_due(step, s.merge.interval, alpha)
+    if merged:
+        new = merge_experts(new, alpha, s.merge.top_k)
+    files = {MODEL_FILE: new}
+    if outer is not None and outer.momentum:
+        files[OUTER_FILE] = outer.momentum
+    meta = {"round": r, "step": step, "method": s.method, "model_config": dataclasses.asdict(model.cfg),
+            "contributors": present, "missing": [i for i in range(s.num_nodes) if i not in present],
+            "merge_alpha": alpha if merged else 0.0, "merged": bool(merged),
+            "node_loss": {str(i): node_meta[i]["loss_mean"] for i in present},
+            "seconds_aggregate": time.perf_counter() - t0}
+    store.write_bundle(rel, files, meta)
+    return meta

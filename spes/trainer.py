@@ -1,0 +1,119 @@
+"""Local training on one node: shared parameters + the node's own experts are trainable, the rest frozen.
+
+The optimizer is built over trainable parameters only, so frozen experts have no gradient and no
+optimizer state (the memory saving SPES relies on). The LR schedule is a pure function of the global
+step, so resuming needs only the step, the optimizer tensors and the data position.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+
+from spes.config import OptimConfig
+from spes.losses import decayed_lb_factor
+from spes.model import CausalLM, ModelOutput
+from spes.moe import MoE
+
+
+def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Linear warm-up to cfg.lr, then cosine decay to cfg.lr * min_lr_ratio at total_steps."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass
+class StepMetrics:
+    loss: float
+    ce: float
+    lb: float
+    z: float
+    tokens: int
+    expert_counts_LE: Optional[torch.Tensor]
+
+
+class NodeTrainer:
+    def __init__(self, model: CausalLM, owned: Iterable[int], optim: OptimConfig, total_steps: int,
+                 frozen_dtype: torch.dtype = torch.float32, decayed_lb: bool = False):
+        self.model, self.cfg, self.total_steps = model, optim, total_steps
+        self.owned = tuple(sorted(owned))
+        self.decayed_lb = decayed_lb
+        if model.cfg.is_moe:
+            model.set_trainable_experts(self.owned, frozen_dtype)
+        decay, no_decay = [], []
+        for _, p in self.trainable_named_parameters():
+            (decay if p.ndim >= 2 else no_decay).append(p)
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=1e-8)
+
+    def trainable_named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def _lb_expert_weight(self, step: int) -> Optional[torch.Tensor]:
+        if not (self.decayed_lb and self.model.cfg.is_moe):
+            return None
+        w = torch.ones(self.model.cfg.num_experts)
+        w[list(self.owned)] = decayed_lb_factor(step, self.total_steps)
+        return w
+
+    def train_step(self, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor, step: int) -> StepMetrics:
+        self.model.train()
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr_at(step, self.cfg, self.total_steps)
+        out: ModelOutput = self.model(input_ids_BS, labels_BS, self._lb_expert_weight(step))
+        self.optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_([p for _, p in self.trainable_named_parameters()], self.cfg.grad_clip)
+        self.optimizer.step()
+        lb = out.lb.item() if out.lb is not None else 0.0
+        z = out.z.item() if out.z is not None else 0.0
+        return StepMetrics(out.loss.item(), out.ce.item(), lb, z, input_ids_BS.numel(), out.expert_counts_LE)
+
+    # -- what goes up at a sync: shared params + owned expert rows (canonical names) ----------------
+    @torch.no_grad()
+    def upload(self) -> dict[str, torch.Tensor]:
+        up: dict[str, torch.Tensor] = {}
+        for name, p in self.model.named_parameters():
+            if ".mlp.experts.chunks." not in name:
+                up[name] = p.detach().clone()
+        for i, layer in enumerate(self.model.model.layers):
+            if isinstance(layer.mlp, MoE):
+                trained = [c for c in layer.mlp.experts.chunks if c.trainable]
+                for attr in ("gate_up_proj", "down_proj"):
+                    rows = [getattr(c, attr).detach() for c in trained]
+                    up[f"model.layers.{i}.mlp.experts.{attr}"] = torch.cat(rows) if rows else torch.empty(0)
+        return up
+
+    # -- optimizer state as flat tensors (safetensors-friendly, no pickle) ---------------------------
+    def optimizer_tensors(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self.trainable_named_parameters():
+            st = self.optimizer.state.get(p)
+            if not st:
+                continue
+            out[f"{name}::exp_avg"] = st["exp_avg"].detach().clone()
+            out[f"{name}::exp_avg_sq"] = st["exp_avg_sq"].detach().clone()
+            out[f"{name}::step"] = torch.as_tensor(st["step"], dtype=torch.float64).reshape(1).clone()
+        return out
+
+    def load_optimizer_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        names = {n for n, _ in self.trainable_named_parameters()}
+        stored = {k.split("::")[0] for k in tensors}
+        if stored and stored != names:
+            raise ValueError(f"optimizer state does not match this node's trainable parameters: "
+                             f"extra {sorted(stored - names)[:3]}, missing {sorted(names - stored)[:3]}")
+        for name, p in self.trainable_named_parameters():
+            if f"{name}::exp_avg" not in tensors:
+                continue
+            self.optimizer.state[p] = {
+                "step": torch.tensor(float(tensors[f"{name}::step"].item())),
+                "exp_avg": tensors[f"{name}::exp_avg"].clone().to(p.dtype),
+                "exp_avg_sq": tensors[f"{name}::exp_avg_sq"].clone().to(p.dtype),
+            }
