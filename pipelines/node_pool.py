@@ -1,0 +1,98 @@
+"""Long-lived node processes on this machine, one per node, reused across rounds (see node_worker.py)."""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable, Optional
+
+from pipelines.node_worker import RESULT
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class NodeFailed(RuntimeError):
+    pass
+
+
+class NodeProcess:
+    def __init__(self, node: int):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        self.node = node
+        self.proc = subprocess.Popen([sys.executable, "-m", "pipelines.node_worker"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                     env=env)
+        self.lines: "queue.Queue[Optional[str]]" = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in iter(self.proc.stdout.readline, ""):
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)  # EOF: the process is gone
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def run_round(self, cmd: dict, timeout_s: float, log: Callable[[str], None]) -> tuple[str, Optional[dict]]:
+        """('ok', meta) or ('timeout', None); raises NodeFailed if the process dies or the round errors."""
+        try:
+            self.proc.stdin.write(json.dumps(cmd) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            raise NodeFailed(f"node {self.node}: worker process is gone (exit {self.proc.poll()})") from None
+        deadline = time.time() + timeout_s
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.01, deadline - time.time()))
+            except queue.Empty:
+                self.kill()
+                return "timeout", None
+            if line is None:
+                rc = self.proc.wait()
+                raise NodeFailed(f"node {self.node} round {cmd['round']}: worker process died (exit {rc})")
+            if line.startswith(RESULT):
+                out = json.loads(line[len(RESULT):])
+                if not out["ok"]:
+                    raise NodeFailed(f"node {self.node} round {cmd['round']}: {out['error']}")
+                return "ok", out["meta"]
+            log(line)
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.kill()
+        self.proc.wait()
+
+    def close(self) -> None:
+        if self.alive():
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=10)
+            except (subprocess.TimeoutExpired, OSError):
+                self.kill()
+
+
+class NodePool:
+    def __init__(self):
+        self._procs: dict[int, NodeProcess] = {}
+        self._lock = threading.Lock()
+
+    def get(self, node: int) -> NodeProcess:
+        with self._lock:
+            p = self._procs.get(node)
+            if p is None or not p.alive():
+                p = self._procs[node] = NodeProcess(node)
+            return p
+
+    def close(self) -> None:
+        with self._lock:
+            for p in self._procs.values():
+                p.close()
+            self._procs.clear()
+
+
+POOL = NodePool()

@@ -1,0 +1,57 @@
+"""DVC stage `dense`: short dense pre-training whose HF checkpoint `upcycle` consumes.
+
+Runs only when init.mode=upcycle and no init.dense_checkpoint is named; otherwise records that it was skipped.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import time
+
+from stages.common import out_dir, parse, write_json
+
+
+def main() -> None:
+    _, p = parse(__doc__)
+    d = out_dir(p, "dense")
+    hf_dir = os.path.join(d, "hf")
+    if p.init.mode != "upcycle" or p.init.dense_checkpoint is not None:
+        shutil.rmtree(hf_dir, ignore_errors=True)
+        write_json(os.path.join(d, "metrics.json"), {"skipped": True})
+        print("dense: skipped (init.mode is not upcycle, or init.dense_checkpoint is given)")
+        return
+    import torch
+
+    from spes.data import BatchStream, TokenData
+    from spes.evaluation import heldout_loss
+    from spes.hf import export_hf
+    from spes.model import CausalLM
+    from spes.trainer import NodeTrainer
+
+    torch.manual_seed(p.dense.seed)
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    data = TokenData.open(os.path.join(p.artifacts_dir, "tokens"))
+    cfg = dataclasses.replace(p.model, num_experts=0)
+    model = CausalLM(cfg)
+    trainer = NodeTrainer(model, (), p.dense.optim, p.dense.steps)
+    stream = BatchStream(data.train, p.dense.batch_size, p.dense.seq_len, p.dense.seed, node=10_000)
+    e = p.eval
+    before = heldout_loss(model, data.val, e.batch_size, e.seq_len, e.batches)["loss"]
+    t0 = time.time()
+    for step in range(p.dense.steps):
+        m = trainer.train_step(*stream.next(), step)
+        if step % 50 == 0 or step == p.dense.steps - 1:
+            print(f"dense step {step}: loss {m.ce:.4f}")
+    secs = time.time() - t0
+    after = heldout_loss(model, data.val, e.batch_size, e.seq_len, e.batches)["loss"]
+    arch = {"auto": None}.get(p.dense.export_arch, p.dense.export_arch)
+    shutil.rmtree(hf_dir, ignore_errors=True)
+    export_hf(model, hf_dir, os.path.join(p.artifacts_dir, "tokens", "tokenizer.json"), arch)
+    write_json(os.path.join(d, "metrics.json"), {"skipped": False, "steps": p.dense.steps, "seconds": round(secs, 2),
+                                                  "heldout_loss_before": before, "heldout_loss_after": after})
+    print(f"dense: {p.dense.steps} steps in {secs:.1f}s, held-out loss {before:.4f} -> {after:.4f}; HF model at {hf_dir}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""DVC stages `warmup` and `train`: run SPES rounds through the Prefect flow.
+
+    python -m stages.rounds warmup     rounds 1..spes.warmup_rounds (expert merging on)
+    python -m stages.rounds train      the remaining rounds, from warmup's last committed round
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from stages.common import out_dir, prefect_env_defaults, write_json
+
+
+def main() -> None:
+    stage = sys.argv.pop(1) if len(sys.argv) > 1 and sys.argv[1] in ("warmup", "train") else None
+    if stage is None:
+        raise SystemExit("usage: python -m stages.rounds warmup|train [--params P] [key=value ...]")
+    from stages.common import parse
+
+    a, p = parse(__doc__)
+    prefect_env_defaults()
+    from pipelines.training import spes_training
+
+    summary = spes_training(params_path=a.params, overrides=a.overrides, stage=stage,
+                            run_name=p.orchestration.run_name,
+                            init_path=os.path.join(p.artifacts_dir, "init", "model.safetensors"),
+                            on_mismatch="restart" if stage == "warmup" else "error")
+    rounds = summary["rounds"]
+    walls = [r["wall_s"] for r in rounds]
+    computes = [r["max_node_compute_s"] for r in rounds]
+    metrics = {"last_round": summary["latest_committed"], "rounds_run": len(rounds),
+               "round_wall_s_mean": sum(walls) / len(walls) if walls else 0.0,
+               "orchestration_overhead": (1 - sum(computes) / sum(walls)) if walls else 0.0}
+    d = out_dir(p, stage)
+    write_json(os.path.join(d, "summary.json"), summary)
+    write_json(os.path.join(d, "metrics.json"), metrics)
+    print(f"{stage}: {metrics}")
+
+
+if __name__ == "__main__":
+    main()
