@@ -181,6 +181,9 @@ def spes_training(params_path: str = "params.yaml", overrides: Optional[list[str
     store = Store(p.storage.url, p.storage.options)
     owner = store.acquire_lock(run, p.orchestration.lock_ttl_s)
     try:
+        if p.orchestration.executor == "process":
+            for i in range(p.spes.num_nodes):  # start node processes now: their start overlaps the run setup
+                POOL.get(i)
         _ensure_run(store, p, run, init_path, on_mismatch, logger)
         first = _resolve_start(store, run, resume_round, logger)
         last = p.spes.warmup_rounds if stage == "warmup" else p.spes.rounds
