@@ -157,6 +157,8 @@ def _ensure_run(store: Store, p: Params, run: str, init_path: Optional[str], on_
         moved = store.supersede_after(run, -1)
         logger.warning("settings changed: rounds %s of run %s moved to superseded/", moved, run)
     if init_path is None:
+        if store.is_committed(store.global_dir(run, 0)):
+            return  # a run started elsewhere (round 0 committed directly)
         raise StoreError(f"run {run!r} does not exist on {store.url} and no init model was given")
     if not store.is_committed(store.global_dir(run, 0)):
         from spes.config import ModelConfig
