@@ -68,9 +68,8 @@ def node_task(params_json: str, run: str, r: int, node: int, deadline: float, ex
         if status != "ok":
             get_run_logger().warning("node %d missed the round %d deadline", node, r)
             return {"node": node, "status": status}
-    meta = store.read_manifest(store.node_dir(run, r, node))["meta"]
-    files = store.read_manifest(store.node_dir(run, r, node))["files"]
-    return {**meta, "status": "ok", "bytes_up": files["upload.safetensors"]["bytes"]}
+    manifest = store.read_manifest(store.node_dir(run, r, node))
+    return {**manifest["meta"], "status": "ok", "bytes_up": manifest["files"]["upload.safetensors"]["bytes"]}
 
 
 def _run_node_deployment(name: str, p: Params, run: str, r: int, node: int, timeout_s: float) -> str:
