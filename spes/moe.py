@@ -33,6 +33,8 @@ def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     # grouped_mm needs 16-byte aligned strides on every operand.
     if not hasattr(F, "grouped_mm"):
         return False
+    if x.is_cuda and x.dtype != torch.bfloat16:  # CUDA grouped_mm kernels are bf16-only
+        return False
     align = 16 // x.element_size()
     return x.shape[-1] % align == 0 and w.shape[-1] % align == 0 and w.shape[-2] % align == 0
 
