@@ -5,7 +5,6 @@
 and set `orchestration.executor: deployment`; each node task then calls run_deployment on it.
 The node reads the global model from shared storage and commits its bundle there, as in process mode.
 """
-from __future__ import annotations
 
 import os
 

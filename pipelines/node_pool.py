@@ -88,6 +88,10 @@ class NodePool:
                 p = self._procs[node] = NodeProcess(node)
             return p
 
+    def __reduce__(self):
+        # Prefect's runner pickles a served flow by value, globals included: unpickle to this process's pool
+        return (process_pool, ())
+
     def close(self) -> None:
         with self._lock:
             for p in self._procs.values():
@@ -96,3 +100,7 @@ class NodePool:
 
 
 POOL = NodePool()
+
+
+def process_pool() -> NodePool:
+    return POOL

@@ -8,7 +8,6 @@
 Per round, a table artifact (node, loss, tokens, bytes up/down, seconds, expert load) and a progress
 artifact for the run show up in the Prefect UI.
 """
-from __future__ import annotations
 
 import hashlib
 import json
@@ -170,14 +169,29 @@ def _ensure_run(store: Store, p: Params, run: str, init_path: Optional[str], on_
     store.fs.pipe_file(info_path, json.dumps({"fingerprint": fp, "created_at": time.time()}).encode())
 
 
-@flow(name="spes-training", flow_run_name="{run_name}-{stage}", log_prints=True)
+def _flow_run_name() -> str:
+    """'<run>-<stage>[-resume-<K>]', so resumed runs stand out in the UI."""
+    from prefect.runtime import flow_run
+
+    prm = flow_run.parameters
+    run = prm.get("run_name")
+    if not run:
+        try:
+            run = load_params(prm["params_path"], list(prm.get("overrides") or [])).orchestration.run_name
+        except Exception:  # a bad params file fails the flow itself, with the config error
+            run = "spes"
+    resume = prm.get("resume_round")
+    return f"{run}-{prm.get('stage', 'all')}" + (f"-resume-{resume}" if resume is not None else "")
+
+
+@flow(name="spes-training", flow_run_name=_flow_run_name, log_prints=True)
 def spes_training(params_path: str = "params.yaml", overrides: Optional[list[str]] = None, stage: str = "all",
-                  resume_round: Optional[Union[int, str]] = None, run_name: str = "default",
+                  resume_round: Optional[Union[int, str]] = None, run_name: Optional[str] = None,
                   init_path: Optional[str] = None, on_mismatch: str = "error") -> dict:
     """Run rounds up to the stage's last round ('warmup' -> spes.warmup_rounds, 'train'/'all' -> spes.rounds),
     continuing after the latest committed round, or after round `resume_round` (later ones are set aside)."""
     logger = get_run_logger()
-    p = load_params(params_path, list(overrides or []) + [f"orchestration.run_name={run_name}"])
+    p = load_params(params_path, list(overrides or []) + ([f"orchestration.run_name={run_name}"] if run_name else []))
     run = p.orchestration.run_name
     store = Store(p.storage.url, p.storage.options)
     owner = store.acquire_lock(run, p.orchestration.lock_ttl_s)

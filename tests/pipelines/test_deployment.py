@@ -1,0 +1,137 @@
+"""Resume through the served deployment, as the README tells users to: a real `prefect server start`,
+`python -m pipelines.serve` (deployment 'spes-training/spes'), `python -m pipelines.node_flow` (deployment
+'spes-node/spes-node', the GPU-machine executor) and `prefect deployment run ... --param resume_round=...`."""
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from spes.config import load_params
+from spes.store import Store
+from tests.pipelines.tiny_project import assert_same, final_weights, init_run, make_project
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _api(url: str, path: str, body=None):
+    req = urllib.request.Request(url + path, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _wait_for(what: str, check, timeout_s: float, procs) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{what}: {p.args} exited with {p.returncode}")
+        try:
+            if check():
+                return
+        except (urllib.error.URLError, ConnectionError, OSError):
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{what} not ready after {timeout_s}s")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """Prefect server + served training and node deployments, all on loopback, in their own process groups."""
+    root = tmp_path_factory.mktemp("deploy")
+    make_project(root)
+    api = f"http://127.0.0.1:{_free_port()}/api"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(root / "prefect_home"), PREFECT_API_URL=api, PYTHONPATH=ROOT,
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="false")
+    host, port = api.split("//")[1].split("/")[0].split(":")
+    procs, logs = [], []
+
+    def start(name, *args):
+        log = open(root / f"{name}.log", "w")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, env=env, stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+
+    try:
+        start("server", "prefect", "server", "start", "--host", host, "--port", port, "--no-ui")
+        _wait_for("prefect server", lambda: _api(api, "/health") is True, 180, procs)
+        start("serve", "pipelines.serve", "--params", str(root / "params.yaml"))
+        start("node", "pipelines.node_flow")
+        for name in ("spes-training/spes", "spes-node/spes-node"):
+            _wait_for(f"deployment {name}", lambda: _api(api, f"/deployments/name/{name}")["id"], 120, procs)
+        yield root, env, api
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+        for log in logs:
+            log.close()
+
+
+def deployment_run(served, *params: str) -> subprocess.CompletedProcess:
+    root, env, _ = served
+    args = [sys.executable, "-m", "prefect", "deployment", "run", "spes-training/spes", "--watch",
+            "--watch-timeout", "400"]
+    for prm in params:
+        args += ["--param", prm]
+    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=450)
+
+
+def _ok(res: subprocess.CompletedProcess, served) -> None:
+    root = served[0]
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:] + (root / "serve.log").read_text()[-5000:]
+
+
+def test_deployment_runs_and_resumes_from_any_round(served):
+    root, _, api = served
+    pfile = str(root / "params.yaml")
+    init_run(pfile, "dep")
+    _ok(deployment_run(served, "run_name=dep", "stage=warmup"), served)
+    store = Store(load_params(pfile).storage.url)
+    assert store.committed_rounds("dep") == [0, 1, 2]
+
+    # the rest of the run, each node as a `spes-node` deployment run (the executor for GPU machines)
+    _ok(deployment_run(served, "run_name=dep", "resume_round=latest",
+                       'overrides=["orchestration.executor=deployment"]'), served)
+    assert store.committed_rounds("dep") == [0, 1, 2, 3]
+    via_node_deployments = final_weights(pfile, "dep")
+
+    # resume from round 1: rounds 2-3 are set aside and recomputed (node processes) bit for bit
+    _ok(deployment_run(served, "run_name=dep", "resume_round=1"), served)
+    assert store.committed_rounds("dep") == [0, 1, 2, 3]
+    assert_same(final_weights(pfile, "dep"), via_node_deployments)
+    for r in ("000002", "000003"):  # the earlier rounds 2-3 are kept aside, not deleted
+        assert glob.glob(str(root / f"storage/runs/dep/superseded/*/{r}"))
+
+    runs = _api(api, "/flow_runs/filter", {"limit": 50})
+    names = {(r["name"], r["state_type"]) for r in runs}
+    assert {("dep-warmup", "COMPLETED"), ("dep-all-resume-latest", "COMPLETED"), ("dep-all-resume-1", "COMPLETED"),
+            ("dep-node-0-round-3", "COMPLETED"), ("dep-node-1-round-3", "COMPLETED")} <= names
+
+
+def test_deployment_resume_from_uncommitted_round_fails_clearly(served):
+    root = served[0]
+    init_run(str(root / "params.yaml"), "dep-bad")
+    res = deployment_run(served, "run_name=dep-bad", "resume_round=7")
+    assert res.returncode == 1 and "Failed" in res.stdout
+    assert "round 7 is not committed (committed: [0])" in (root / "serve.log").read_text()
