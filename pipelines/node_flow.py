@@ -4,9 +4,12 @@
 
 and set `orchestration.executor: deployment`; each node task then calls run_deployment on it.
 The node reads the global model from shared storage and commits its bundle there, as in process mode.
+Token shards come from shared storage too (`tokens`: the key the training flow published them under),
+cached in `orchestration.node_cache_dir` on the node's machine; without a key, the local artifacts are used.
 """
 
 import os
+from typing import Optional
 
 from prefect import flow
 
@@ -14,16 +17,21 @@ from spes.config import params_from_dict
 from spes.data import TokenData
 from spes.rounds import node_round
 from spes.store import Store
+from spes.token_share import fetch_tokens
 
 
 @flow(name="spes-node", flow_run_name="{run}-node-{node}-round-{r}")
-def spes_node(params: dict, run: str, r: int, node: int) -> dict:
+def spes_node(params: dict, run: str, r: int, node: int, tokens: Optional[str] = None) -> dict:
     p = params_from_dict(params)
     import torch
 
     torch.set_num_threads(max(1, p.orchestration.threads_per_node))
-    data = TokenData.open(os.path.join(p.artifacts_dir, "tokens"))
-    return node_round(p, Store(p.storage.url, p.storage.options), run, r, node, data)
+    store = Store(p.storage.url, p.storage.options)
+    if tokens:
+        data = fetch_tokens(store, tokens, p.orchestration.node_cache_dir)
+    else:
+        data = TokenData.open(os.path.join(p.artifacts_dir, "tokens"))
+    return node_round(p, store, run, r, node, data)
 
 
 if __name__ == "__main__":

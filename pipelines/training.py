@@ -25,6 +25,7 @@ from pipelines.node_pool import POOL, NodeFailed
 from spes.config import Params, load_params, params_from_dict, to_dict
 from spes.rounds import aggregate_round, commit_initial, committed_nodes
 from spes.store import Store, StoreError
+from spes.token_share import publish_tokens, tokens_rel
 
 
 
@@ -51,7 +52,7 @@ def _run_node_process(params_json: str, run: str, r: int, node: int, timeout_s: 
 
 @task(task_run_name="node-{node}-round-{r}")
 def node_task(params_json: str, run: str, r: int, node: int, deadline: float, executor: str,
-              node_deployment: str) -> dict:
+              node_deployment: str, tokens_key: Optional[str] = None) -> dict:
     """One node's local steps. A crash raises (Prefect retries it); missing the round deadline returns
     status 'timeout' so the round proceeds with a quorum."""
     p = params_from_dict(json.load(open(params_json)))
@@ -61,7 +62,7 @@ def node_task(params_json: str, run: str, r: int, node: int, deadline: float, ex
         if remaining <= 0:
             return {"node": node, "status": "timeout"}
         if executor == "deployment":
-            status = _run_node_deployment(node_deployment, p, run, r, node, remaining)
+            status = _run_node_deployment(node_deployment, p, run, r, node, remaining, tokens_key)
         else:
             status = _run_node_process(params_json, run, r, node, remaining)
         if status != "ok":
@@ -71,11 +72,14 @@ def node_task(params_json: str, run: str, r: int, node: int, deadline: float, ex
     return {**manifest["meta"], "status": "ok", "bytes_up": manifest["files"]["upload.safetensors"]["bytes"]}
 
 
-def _run_node_deployment(name: str, p: Params, run: str, r: int, node: int, timeout_s: float) -> str:
-    """Real clusters: the node runs as a flow on a worker of a GPU machine (see pipelines/node_flow.py)."""
+def _run_node_deployment(name: str, p: Params, run: str, r: int, node: int, timeout_s: float,
+                         tokens_key: Optional[str]) -> str:
+    """Real clusters: the node runs as a flow on a worker of a GPU machine (see pipelines/node_flow.py),
+    reading the token shards published to shared storage under `tokens_key`."""
     from prefect.deployments import run_deployment
 
-    fr = run_deployment(name, parameters={"params": to_dict(p), "run": run, "r": r, "node": node},
+    fr = run_deployment(name, parameters={"params": to_dict(p), "run": run, "r": r, "node": node,
+                                          "tokens": tokens_key},
                         timeout=timeout_s, flow_run_name=f"{run}-node-{node}-round-{r}")
     if fr.state is None or not fr.state.is_final():
         return "timeout"
@@ -91,13 +95,13 @@ def aggregate_task(params_json: str, run: str, r: int, min_nodes: Optional[int])
 
 
 @task(task_run_name="round-{r}")
-def round_task(params_json: str, run: str, r: int) -> dict:
+def round_task(params_json: str, run: str, r: int, tokens_key: Optional[str] = None) -> dict:
     p = params_from_dict(json.load(open(params_json)))
     o = p.orchestration
     t0 = time.time()
     deadline = t0 + o.round_timeout_s
     node = node_task.with_options(retries=o.node_retries, retry_delay_seconds=1)
-    futures = [node.submit(params_json, run, r, i, deadline, o.executor, o.node_deployment)
+    futures = [node.submit(params_json, run, r, i, deadline, o.executor, o.node_deployment, tokens_key)
                for i in range(p.spes.num_nodes)]
     wait(futures)
     rows = []
@@ -201,6 +205,10 @@ def spes_training(params_path: str = "params.yaml", overrides: Optional[list[str
                 POOL.get(i)
         _ensure_run(store, p, run, init_path, on_mismatch, logger)
         first = _resolve_start(store, run, resume_round, logger)
+        tokens_key = None
+        if p.orchestration.executor == "deployment":  # nodes elsewhere read the tokens from shared storage
+            tokens_key = publish_tokens(store, os.path.join(p.artifacts_dir, "tokens"))
+            logger.info("token shards on shared storage: %s", tokens_rel(tokens_key))
         last = p.spes.warmup_rounds if stage == "warmup" else p.spes.rounds
         if stage not in ("warmup", "train", "all"):
             raise ValueError(f"stage must be warmup|train|all, got {stage!r}")
@@ -212,7 +220,7 @@ def spes_training(params_path: str = "params.yaml", overrides: Optional[list[str
                                             description=f"rounds committed of {p.spes.rounds}")
         rounds = []
         for r in range(first, last + 1):
-            res = round_task.with_options(task_run_name=f"round-{r}")(params_json, run, r)
+            res = round_task.with_options(task_run_name=f"round-{r}")(params_json, run, r, tokens_key)
             rounds.append(res)
             logger.info("round %d committed: contributors %s, wall %.1fs", r, res["aggregate"]["contributors"],
                         res["wall_s"])

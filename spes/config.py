@@ -170,6 +170,8 @@ class OrchestrationConfig:
     executor: str = "process"
     """'process' = one subprocess per node on this machine; 'deployment' = run_deployment per node."""
     node_deployment: str = "spes-node/spes-node"
+    node_cache_dir: str = "~/.cache/spes"
+    """Deployment nodes keep the token shards fetched from shared storage here (on their own machine)."""
     threads_per_node: int = 1
     node_retries: int = 2
     round_timeout_s: float = 900.0

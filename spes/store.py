@@ -7,6 +7,7 @@ create. A bundle exists only once committed; readers verify every byte before pa
 Layout:  runs/<run>/LOCK.json
          runs/<run>/rounds/<r:06d>/global/        aggregated model (+ DiLoCo outer state)
          runs/<run>/rounds/<r:06d>/nodes/<i:03d>/  node upload + optimizer state + data position
+         data/tokens/<sha>/                         token shards for nodes on other machines (raw files)
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 FORMAT = "spes-bundle/1"
+_CHUNK = 8 << 20
 
 
 class StoreError(RuntimeError):
@@ -94,12 +96,7 @@ class Store:
 
     def write_bundle(self, rel: str, files: dict[str, dict[str, torch.Tensor]], meta: dict[str, Any]) -> dict:
         """Write files, then the manifest, then COMMIT (exclusive). A leftover uncommitted attempt is replaced."""
-        if self.is_committed(rel):
-            raise AlreadyCommitted(f"{self.url}/{rel} is already committed")
-        d = self.path(rel)
-        if self.fs.exists(d):
-            self.fs.rm(d, recursive=True)  # a crashed earlier attempt; never committed, so never read
-        self.fs.makedirs(d, exist_ok=True)
+        d = self._start_bundle(rel)
         entries = {}
         for fname, tensors in files.items():
             blob = st_save({k: v.contiguous() for k, v in tensors.items()})
@@ -107,14 +104,70 @@ class Store:
             entries[fname] = {"sha256": _sha256(blob), "bytes": len(blob),
                               "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
                                           for k, v in tensors.items()}}
+        return self._commit(rel, entries, meta)
+
+    def _start_bundle(self, rel: str) -> str:
+        if self.is_committed(rel):
+            raise AlreadyCommitted(f"{self.url}/{rel} is already committed")
+        d = self.path(rel)
+        if self.fs.exists(d):
+            self.fs.rm(d, recursive=True)  # a crashed earlier attempt; never committed, so never read
+        self.fs.makedirs(d, exist_ok=True)
+        return d
+
+    def _commit(self, rel: str, entries: dict, meta: dict[str, Any]) -> dict:
         manifest = {"format": FORMAT, "files": entries, "meta": meta, "written_at": time.time()}
         mbytes = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        d = self.path(rel)
         self.fs.pipe_file(f"{d}/manifest.json", mbytes)
         try:
             with self.fs.open(f"{d}/COMMIT", "xb") as f:
                 f.write(_sha256(mbytes).encode())
         except FileExistsError:
             raise AlreadyCommitted(f"{self.url}/{rel} was committed concurrently by another writer") from None
+        return manifest
+
+    # -- raw-file bundles (token shards, tokenizer.json): streamed, never parsed by the store ------------
+    def write_file_bundle(self, rel: str, local_files: dict[str, str], meta: dict[str, Any]) -> dict:
+        """Upload local files as they are (chunked, hashed on the way), then manifest, then COMMIT."""
+        d = self._start_bundle(rel)
+        entries = {}
+        for fname, local in local_files.items():
+            h = hashlib.sha256()
+            with open(local, "rb") as src, self.fs.open(f"{d}/{fname}", "wb") as dst:
+                for chunk in iter(lambda: src.read(_CHUNK), b""):
+                    h.update(chunk)
+                    dst.write(chunk)
+            entries[fname] = {"sha256": h.hexdigest(), "bytes": os.path.getsize(local), "raw": True}
+        return self._commit(rel, entries, meta)
+
+    def fetch_file_bundle(self, rel: str, dest: str) -> dict:
+        """Download a committed raw-file bundle into local folder `dest`, each file verified against its
+        sha256 before it gets its real name; `dest/COMPLETE` (the manifest) marks a finished copy."""
+        manifest = self.read_manifest(rel)
+        os.makedirs(dest, exist_ok=True)
+        for fname, entry in manifest["files"].items():
+            if not entry.get("raw"):
+                raise IntegrityError(f"{self.url}/{rel}/{fname} is not a raw file entry")
+            if os.path.basename(fname) != fname or fname in ("COMPLETE", "manifest.json"):
+                raise IntegrityError(f"{self.url}/{rel}: refusing file name {fname!r}")
+            # a unique partial name: two nodes on one machine may fetch the same bundle at once
+            part, h, n = os.path.join(dest, f"{fname}.{uuid.uuid4().hex[:8]}.part"), hashlib.sha256(), 0
+            try:
+                with self.fs.open(self.path(rel, fname), "rb") as src, open(part, "wb") as dst:
+                    for chunk in iter(lambda: src.read(_CHUNK), b""):
+                        h.update(chunk)
+                        n += len(chunk)
+                        dst.write(chunk)
+            except FileNotFoundError:
+                raise IntegrityError(f"{self.url}/{rel}/{fname} is missing") from None
+            if n != entry["bytes"] or h.hexdigest() != entry["sha256"]:
+                os.remove(part)
+                raise IntegrityError(f"{self.url}/{rel}/{fname}: sha256/size mismatch ({n} bytes, manifest says "
+                                     f"{entry['bytes']}); not used")
+            os.replace(part, os.path.join(dest, fname))
+        with open(os.path.join(dest, "COMPLETE"), "w") as f:
+            json.dump(manifest, f)
         return manifest
 
     def read_manifest(self, rel: str) -> dict:
@@ -139,6 +192,8 @@ class Store:
         for fname, entry in manifest["files"].items():
             if only is not None and fname not in only:
                 continue
+            if entry.get("raw"):
+                raise IntegrityError(f"{self.url}/{rel}/{fname} is a raw file, not safetensors")
             p = self.path(rel, fname)
             try:
                 blob = self.fs.cat_file(p)

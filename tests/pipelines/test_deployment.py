@@ -110,11 +110,16 @@ def test_deployment_runs_and_resumes_from_any_round(served):
     store = Store(load_params(pfile).storage.url)
     assert store.committed_rounds("dep") == [0, 1, 2]
 
-    # the rest of the run, each node as a `spes-node` deployment run (the executor for GPU machines)
+    # the rest of the run, each node as a `spes-node` deployment run (the executor for GPU machines),
+    # reading the token shards that the training flow published to shared storage
+    cache = root / "node-cache"
     _ok(deployment_run(served, "run_name=dep", "resume_round=latest",
-                       'overrides=["orchestration.executor=deployment"]'), served)
+                       f'overrides=["orchestration.executor=deployment", "orchestration.node_cache_dir={cache}"]'),
+        served)
     assert store.committed_rounds("dep") == [0, 1, 2, 3]
     via_node_deployments = final_weights(pfile, "dep")
+    (key,) = os.listdir(root / "storage/data/tokens")
+    assert store.is_committed(f"data/tokens/{key}") and (cache / "tokens" / key / "COMPLETE").exists()
 
     # resume from round 1: rounds 2-3 are set aside and recomputed (node processes) bit for bit
     _ok(deployment_run(served, "run_name=dep", "resume_round=1"), served)

@@ -1,0 +1,66 @@
+import glob
+import os
+import sysconfig
+
+import numpy as np
+import pytest
+
+from spes.data import DataError, TokenData
+from spes.store import IntegrityError, Store
+from spes.token_share import fetch_tokens, publish_tokens, tokens_rel
+from spes.tokenization import load_corpus, tokenize_corpus
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok") / "tokens"
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")))
+    tokenize_corpus(list(load_corpus(files)), str(d), 300, None, 0.2, 0)
+    return str(d)
+
+
+def test_publish_then_fetch_gives_the_same_tokens(tokens, tmp_path):
+    store = Store(str(tmp_path / "shared"))
+    key = publish_tokens(store, tokens)
+    assert publish_tokens(store, tokens) == key  # same content: published once, same key
+    assert len(os.listdir(tmp_path / "shared/data/tokens")) == 1
+    got = fetch_tokens(store, key, str(tmp_path / "cache"))
+    want = TokenData.open(tokens)
+    assert np.array_equal(got.train, want.train) and np.array_equal(got.val, want.val)
+    assert (got.vocab_size, got.eos_id) == (want.vocab_size, want.eos_id)
+    assert sorted(os.listdir(tmp_path / "cache/tokens" / key)) == ["COMPLETE", "meta.json", "tokenizer.json",
+                                                                    "train.bin", "val.bin"]
+    store.fs.rm(store.path(tokens_rel(key)), recursive=True)  # later rounds read the node's cache only
+    assert np.array_equal(fetch_tokens(store, key, str(tmp_path / "cache")).train, want.train)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_damaged_shard_on_storage_is_refused_and_not_cached(tokens, tmp_path, damage):
+    store = Store(str(tmp_path / "shared"))
+    key = publish_tokens(store, tokens)
+    f = tmp_path / "shared" / tokens_rel(key) / "train.bin"
+    blob = f.read_bytes()
+    f.write_bytes(blob[:-2] if damage == "truncate" else blob[:100] + bytes([blob[100] ^ 1]) + blob[101:])
+    with pytest.raises(IntegrityError, match="train.bin: sha256/size mismatch"):
+        fetch_tokens(store, key, str(tmp_path / "cache"))
+    left = os.listdir(tmp_path / "cache/tokens" / key)
+    assert "COMPLETE" not in left and "train.bin" not in left and not [x for x in left if x.endswith(".part")]
+
+
+def test_inconsistent_token_folder_is_not_published(tokens, tmp_path):
+    bad = tmp_path / "tokens"
+    bad.mkdir()
+    for name in ("meta.json", "val.bin"):
+        (bad / name).write_bytes(open(os.path.join(tokens, name), "rb").read())
+    (bad / "train.bin").write_bytes(open(os.path.join(tokens, "train.bin"), "rb").read()[:-2])
+    store = Store(str(tmp_path / "shared"))
+    with pytest.raises(DataError, match="truncated or foreign"):
+        publish_tokens(store, str(bad))
+    assert not store.fs.exists(store.path("data"))
+
+
+def test_raw_bundle_is_not_read_as_safetensors(tokens, tmp_path):
+    store = Store(str(tmp_path / "shared"))
+    key = publish_tokens(store, tokens)
+    with pytest.raises(IntegrityError, match="raw file, not safetensors"):
+        store.read_bundle(tokens_rel(key))
