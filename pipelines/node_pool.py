@@ -88,6 +88,11 @@ class NodePool:
                 p = self._procs[node] = NodeProcess(node)
             return p
 
+    def start(self, nodes) -> None:
+        """Start node processes ahead of use: their interpreter and torch start overlap the caller's setup."""
+        for i in nodes:
+            self.get(i)
+
     def __reduce__(self):
         # Prefect's runner pickles a served flow by value, globals included: unpickle to this process's pool
         return (process_pool, ())

@@ -37,6 +37,7 @@ def _fault_hook(plan: dict, r: int, node: int, marker_dir: str):
 
 def serve() -> int:
     import torch
+    import torch._dynamo  # noqa: F401  the first optimizer construction imports it (~3 s): pay that before round 1
 
     from spes.config import params_from_dict
     from spes.data import TokenData

@@ -123,7 +123,22 @@ def round_task(params_json: str, run: str, r: int, tokens_key: Optional[str] = N
     create_table_artifact(table, key=artifact_key(run, "round", r),
                           description=f"Round {r}: contributors {agg['contributors']}, missing {agg['missing']}, "
                                       f"merge alpha {agg['merge_alpha']:.4g}, wall {wall:.1f}s")
-    return {"round": r, "wall_s": wall, "max_node_compute_s": compute, "nodes": rows, "aggregate": agg}
+    record = {"round": r, "wall_s": wall, "max_node_compute_s": compute, "nodes": rows, "aggregate": agg}
+    store = Store(p.storage.url, p.storage.options)
+    if not store.is_committed(record_dir(store, run, r)):
+        store.write_bundle(record_dir(store, run, r), {}, record)
+    return record
+
+
+def record_dir(store: Store, run: str, r: int) -> str:
+    """How round r went (wall time, per-node rows): kept beside the round, so a stage re-run that finds its
+    rounds already committed reports them rather than nothing."""
+    return f"{store.round_dir(run, r)}/record"
+
+
+def round_records(store: Store, run: str, first: int, last: int) -> list[dict]:
+    return [store.read_manifest(record_dir(store, run, r))["meta"] for r in range(first, last + 1)
+            if store.is_committed(record_dir(store, run, r))]
 
 
 # -- run ----------------------------------------------------------------------------------------------
@@ -201,8 +216,7 @@ def spes_training(params_path: str = "params.yaml", overrides: Optional[list[str
     owner = store.acquire_lock(run, p.orchestration.lock_ttl_s)
     try:
         if p.orchestration.executor == "process":
-            for i in range(p.spes.num_nodes):  # start node processes now: their start overlaps the run setup
-                POOL.get(i)
+            POOL.start(range(p.spes.num_nodes))  # no-op for processes started before the flow (stages.rounds)
         _ensure_run(store, p, run, init_path, on_mismatch, logger)
         first = _resolve_start(store, run, resume_round, logger)
         tokens_key = None

@@ -19,16 +19,25 @@ def main() -> None:
 
     a, p = parse(__doc__)
     prefect_env_defaults()
-    from pipelines.training import spes_training
+    from pipelines.node_pool import POOL
+    from pipelines.training import round_records, spes_training
+    from spes.store import Store
 
-    summary = spes_training(params_path=a.params, overrides=a.overrides, stage=stage,
-                            run_name=p.orchestration.run_name,
-                            init_path=os.path.join(p.artifacts_dir, "init", "model.safetensors"),
-                            on_mismatch="restart" if stage == "warmup" else "error")
-    rounds = summary["rounds"]
+    if p.orchestration.executor == "process":
+        POOL.start(range(p.spes.num_nodes))  # node processes start while Prefect's (ephemeral) server does
+
+    out = spes_training(params_path=a.params, overrides=a.overrides, stage=stage,
+                        run_name=p.orchestration.run_name,
+                        init_path=os.path.join(p.artifacts_dir, "init", "model.safetensors"),
+                        on_mismatch="restart" if stage == "warmup" else "error")
+    # the stage's rounds as committed on storage, whether run now or by an earlier (resumed) invocation
+    first, last = (1, p.spes.warmup_rounds) if stage == "warmup" else (p.spes.warmup_rounds + 1, p.spes.rounds)
+    rounds = round_records(Store(p.storage.url, p.storage.options), out["run"], first, last)
+    summary = {"run": out["run"], "latest_committed": out["latest_committed"], "rounds": rounds,
+               "rounds_run_now": [r["round"] for r in out["rounds"]]}
     walls = [r["wall_s"] for r in rounds]
     computes = [r["max_node_compute_s"] for r in rounds]
-    metrics = {"last_round": summary["latest_committed"], "rounds_run": len(rounds),
+    metrics = {"last_round": out["latest_committed"], "rounds_recorded": len(rounds),
                "round_wall_s_mean": sum(walls) / len(walls) if walls else 0.0,
                "orchestration_overhead": (1 - sum(computes) / sum(walls)) if walls else 0.0}
     d = out_dir(p, stage)

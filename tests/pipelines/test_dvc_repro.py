@@ -1,5 +1,6 @@
 """The whole chain through real DVC and real (ephemeral) Prefect on a tiny config: tokenize -> dense ->
-upcycle -> warmup -> train -> evaluate; then a second `dvc repro` is a no-op."""
+upcycle -> warmup -> train -> evaluate; then a second `dvc repro` is a no-op, and a forced re-run of a
+rounds stage reports the rounds already committed on storage."""
 import json
 import os
 import shutil
@@ -46,5 +47,14 @@ def test_dvc_repro_end_to_end(tmp_path):
     assert m["final_round"] == 2 and m["heldout_loss"] < m["untrained_heldout_loss"]
     assert m["hf_max_abs_logit_diff"] < 1e-4
     assert json.load(open(proj / "artifacts/init/metrics.json"))["max_abs_logit_diff_vs_dense"] < 1e-4
+    for stage in ("warmup", "train"):
+        assert json.load(open(proj / f"artifacts/{stage}/metrics.json"))["rounds_recorded"] == 1
     again = subprocess.run(dvc + ["repro"], cwd=proj, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "didn't change" in again.stdout + again.stderr
+    # a forced re-run finds its rounds committed: it runs none and reports the committed ones
+    before = json.load(open(proj / "artifacts/train/summary.json"))
+    forced = subprocess.run(dvc + ["repro", "-f", "-s", "train"], cwd=proj, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert forced.returncode == 0, forced.stdout[-3000:] + forced.stderr[-3000:]
+    after = json.load(open(proj / "artifacts/train/summary.json"))
+    assert before["rounds_run_now"] == [2] and after["rounds_run_now"] == [] and after["rounds"] == before["rounds"]
