@@ -12,14 +12,25 @@ import argparse
 import os
 
 from pipelines.training import spes_training
+from spes.config import load_params
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--name", default="spes")
+    ap.add_argument("--init", default=None,
+                    help="initial model for a run not yet on storage (default: <artifacts_dir>/init/model.safetensors "
+                         "if present); also checked against the run's fingerprint on resume")
     a = ap.parse_args()
-    spes_training.serve(name=a.name, parameters={"params_path": os.path.abspath(a.params), "stage": "all"})
+    p = load_params(a.params)
+    init = a.init or os.path.join(p.artifacts_dir, "init", "model.safetensors")
+    params = {"params_path": os.path.abspath(a.params), "stage": "all"}
+    if os.path.exists(init):
+        params["init_path"] = os.path.abspath(init)
+    elif a.init:
+        raise SystemExit(f"serve: --init {a.init!r} does not exist")
+    spes_training.serve(name=a.name, parameters=params)
 
 
 if __name__ == "__main__":

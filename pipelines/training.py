@@ -221,6 +221,10 @@ def spes_training(params_path: str = "params.yaml", overrides: Optional[list[str
         first = _resolve_start(store, run, resume_round, logger)
         tokens_key = None
         if p.orchestration.executor == "deployment":  # nodes elsewhere read the tokens from shared storage
+            secrets = sorted(set(p.storage.options) & {"key", "secret", "token", "password"})
+            if secrets:
+                logger.warning("storage.options %s go to every node as flow run parameters (stored by the Prefect "
+                               "server); prefer AWS_* environment variables on the node machines", secrets)
             tokens_key = publish_tokens(store, os.path.join(p.artifacts_dir, "tokens"))
             logger.info("token shards on shared storage: %s", tokens_rel(tokens_key))
         last = p.spes.warmup_rounds if stage == "warmup" else p.spes.rounds
