@@ -21,6 +21,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.futures import wait
 
+from pipelines.lease import RunLease
 from pipelines.node_pool import POOL, NodeFailed
 from spes.config import Params, load_params, params_from_dict, to_dict
 from spes.rounds import aggregate_round, commit_initial, committed_nodes
@@ -213,40 +214,46 @@ def spes_training(params_path: str = "params.yaml", overrides: Optional[list[str
     p = load_params(params_path, list(overrides or []) + ([f"orchestration.run_name={run_name}"] if run_name else []))
     run = p.orchestration.run_name
     store = Store(p.storage.url, p.storage.options)
-    owner = store.acquire_lock(run, p.orchestration.lock_ttl_s)
-    try:
-        if p.orchestration.executor == "process":
-            POOL.start(range(p.spes.num_nodes))  # no-op for processes started before the flow (stages.rounds)
-        _ensure_run(store, p, run, init_path, on_mismatch, logger)
-        first = _resolve_start(store, run, resume_round, logger)
-        tokens_key = None
-        if p.orchestration.executor == "deployment":  # nodes elsewhere read the tokens from shared storage
-            secrets = sorted(set(p.storage.options) & {"key", "secret", "token", "password"})
-            if secrets:
-                logger.warning("storage.options %s go to every node as flow run parameters (stored by the Prefect "
-                               "server); prefer AWS_* environment variables on the node machines", secrets)
-            tokens_key = publish_tokens(store, os.path.join(p.artifacts_dir, "tokens"))
-            logger.info("token shards on shared storage: %s", tokens_rel(tokens_key))
-        last = p.spes.warmup_rounds if stage == "warmup" else p.spes.rounds
-        if stage not in ("warmup", "train", "all"):
-            raise ValueError(f"stage must be warmup|train|all, got {stage!r}")
-        workdir = tempfile.mkdtemp(prefix=f"spes-{run}-")
-        params_json = os.path.join(workdir, "params.json")
-        with open(params_json, "w") as f:
-            json.dump(to_dict(p), f)
-        progress = create_progress_artifact(progress=0.0, key=artifact_key(run, "progress"),
-                                            description=f"rounds committed of {p.spes.rounds}")
-        rounds = []
-        for r in range(first, last + 1):
-            res = round_task.with_options(task_run_name=f"round-{r}")(params_json, run, r, tokens_key)
-            rounds.append(res)
-            logger.info("round %d committed: contributors %s, wall %.1fs", r, res["aggregate"]["contributors"],
-                        res["wall_s"])
-            update_progress_artifact(progress, 100.0 * r / p.spes.rounds)
-            store.refresh_lock(run, owner, p.orchestration.lock_ttl_s)
-        return {"run": run, "first_round": first, "last_round": max(last, first - 1), "rounds": rounds,
-                "latest_committed": store.latest_round(run),
-                "committed_nodes_last": committed_nodes(store, run, store.latest_round(run) or 0, p.spes.num_nodes)}
-    finally:
-        POOL.close()
-        store.release_lock(run, owner)
+    with RunLease(store, run, p.orchestration.lock_ttl_s) as lease:
+        try:
+            return _run_rounds(p, store, run, lease, stage, resume_round, init_path, on_mismatch, logger)
+        finally:
+            POOL.close()
+
+
+def _run_rounds(p: Params, store: Store, run: str, lease: RunLease, stage: str, resume_round, init_path,
+                on_mismatch: str, logger) -> dict:
+    """The flow's body, run while it holds the run's writer lease."""
+    if stage not in ("warmup", "train", "all"):
+        raise ValueError(f"stage must be warmup|train|all, got {stage!r}")
+    if p.orchestration.executor == "process":
+        POOL.start(range(p.spes.num_nodes))  # no-op for processes started before the flow (stages.rounds)
+    _ensure_run(store, p, run, init_path, on_mismatch, logger)
+    first = _resolve_start(store, run, resume_round, logger)
+    tokens_key = None
+    if p.orchestration.executor == "deployment":  # nodes elsewhere read the tokens from shared storage
+        secrets = sorted(set(p.storage.options) & {"key", "secret", "token", "password"})
+        if secrets:
+            logger.warning("storage.options %s go to every node as flow run parameters (stored by the Prefect "
+                           "server); prefer AWS_* environment variables on the node machines", secrets)
+        tokens_key = publish_tokens(store, os.path.join(p.artifacts_dir, "tokens"))
+        logger.info("token shards on shared storage: %s", tokens_rel(tokens_key))
+    last = p.spes.warmup_rounds if stage == "warmup" else p.spes.rounds
+    workdir = tempfile.mkdtemp(prefix=f"spes-{run}-")
+    params_json = os.path.join(workdir, "params.json")
+    with open(params_json, "w") as f:
+        json.dump(to_dict(p), f)
+    progress = create_progress_artifact(progress=0.0, key=artifact_key(run, "progress"),
+                                        description=f"rounds committed of {p.spes.rounds}")
+    rounds = []
+    for r in range(first, last + 1):
+        res = round_task.with_options(task_run_name=f"round-{r}")(params_json, run, r, tokens_key)
+        rounds.append(res)
+        logger.info("round %d committed: contributors %s, wall %.1fs", r, res["aggregate"]["contributors"],
+                    res["wall_s"])
+        update_progress_artifact(progress, 100.0 * r / p.spes.rounds)
+        lease.check()
+    return {"run": run, "first_round": first, "last_round": max(last, first - 1), "rounds": rounds,
+            "latest_committed": store.latest_round(run),
+            "committed_nodes_last": committed_nodes(store, run, store.latest_round(run) or 0, p.spes.num_nodes)}
+

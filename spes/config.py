@@ -7,11 +7,14 @@ and `validate` checks the cross-field invariants before any compute starts.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 
 
 class ConfigError(ValueError):
@@ -145,6 +148,8 @@ class SpesConfig:
     """Own-expert load-balance factor rising 0.7 -> 1.0 over the first 20% of steps."""
     frozen_dtype: str = "float32"
     """Storage dtype of frozen experts on a node ('float32' or 'bfloat16')."""
+    autocast: Optional[str] = None
+    """Mixed precision of the forward pass: None (fp32), 'bfloat16' or 'float16' (torch.autocast)."""
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     outer_nesterov: bool = True
@@ -170,6 +175,8 @@ class OrchestrationConfig:
     executor: str = "process"
     """'process' = one subprocess per node on this machine; 'deployment' = run_deployment per node."""
     node_deployment: str = "spes-node/spes-node"
+    device: str = "auto"
+    """Where nodes (and the dense stage) compute: auto | cpu | cuda | cuda:K (see spes/devices.py)."""
     node_cache_dir: str = "~/.cache/spes"
     """Deployment nodes keep the token shards fetched from shared storage here (on their own machine)."""
     threads_per_node: int = 1
@@ -179,6 +186,7 @@ class OrchestrationConfig:
     min_nodes: Optional[int] = None
     """Quorum; None = all nodes."""
     lock_ttl_s: float = 600.0
+    """The run's writer lease on storage; refreshed every ttl/3 while a flow runs, free again after a crash."""
 
 
 @dataclass
@@ -255,6 +263,9 @@ def validate(p: Params) -> Params:
              f"tokenize.corpus: no file matches {p.tokenize.corpus!r}")
     mn = p.orchestration.min_nodes
     need(mn is None or 1 <= mn <= s.num_nodes, f"orchestration.min_nodes ({mn}) must be in [1, spes.num_nodes={s.num_nodes}]")
+    need(s.autocast in (None, "bfloat16", "float16"), f"spes.autocast must be null|bfloat16|float16, got {s.autocast!r}")
+    need(bool(DEVICE_PATTERN.match(p.orchestration.device)),
+         f"orchestration.device must be auto|cpu|cuda|cuda:K, got {p.orchestration.device!r}")
     need(p.orchestration.executor in ("process", "deployment"),
          f"orchestration.executor must be process|deployment, got {p.orchestration.executor!r}")
     mg = s.merge

@@ -14,13 +14,14 @@ from spes.model import CausalLM
 @torch.no_grad()
 def heldout_loss(model: CausalLM, tokens: np.ndarray, batch_size: int, seq_len: int, num_batches: int) -> dict:
     model.eval()
-    total, n = 0.0, 0
+    device = next(model.parameters()).device
+    total, n = torch.zeros((), dtype=torch.float64, device=device), 0
     for x, y in eval_batches(tokens, batch_size, seq_len, num_batches):
-        logits = model(x).logits.float()
-        total += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
-                                                   reduction="sum").item()
+        logits = model(x.to(device)).logits.float()
+        total += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.to(device).reshape(-1),
+                                                   reduction="sum")
         n += y.numel()
-    loss = total / n
+    loss = total.item() / n
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": n}
 
 

@@ -42,6 +42,8 @@ def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
 def grouped_linear(x_SD: torch.Tensor, w_EOD: torch.Tensor, counts_E: torch.Tensor,
                    counts_list: Optional[list[int]] = None) -> torch.Tensor:
     """Rows of x sorted by expert; rows [off_e, off_e + counts_e) go through expert e: y = x @ w_e^T."""
+    if torch.is_autocast_enabled(x_SD.device.type):  # grouped_mm is not on autocast's op lists: cast here
+        x_SD = x_SD.to(torch.get_autocast_dtype(x_SD.device.type))
     w_EOD = w_EOD.to(x_SD.dtype)
     if _grouped_mm_ok(x_SD, w_EOD):
         offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
@@ -137,7 +139,8 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.randn(num_experts, hidden) * std)
 
     def forward(self, x_TD: torch.Tensor) -> RouterOutput:
-        logits_TE = F.linear(x_TD.float(), self.weight.float())  # router math in fp32
+        with torch.autocast(x_TD.device.type, enabled=False):  # router math in fp32, also under autocast
+            logits_TE = F.linear(x_TD.float(), self.weight.float())
         probs_TE = torch.softmax(logits_TE, dim=-1)
         top_w_TK, top_idx_TK = torch.topk(probs_TE, self.top_k, dim=-1)
         if self.norm_topk_prob:

@@ -15,6 +15,7 @@ import torch
 from spes.aggregate import NodeResult, OuterState, aggregate
 from spes.config import ModelConfig, Params
 from spes.data import BatchStream, TokenData
+from spes.devices import resolve_device
 from spes.merging import merge_alpha, merge_due, merge_experts
 from spes.model import CausalLM
 from spes.ownership import ownership_for
@@ -61,12 +62,14 @@ def node_round(p: Params, store: Store, run: str, r: int, node: int, data: Token
     if store.is_committed(rel):  # a retry after the node already finished: idempotent
         return store.read_manifest(rel)["meta"]
     t0 = time.perf_counter()
+    device = resolve_device(p.orchestration.device, node)
     model, gmanifest, _ = load_global(store, run, r - 1)
+    model.to(device)
     bytes_down = gmanifest["files"][MODEL_FILE]["bytes"]
     cfg = model.cfg
     own = ownership_for(s.method, cfg.num_experts, s.num_nodes, s.ownership).owned(node) if cfg.is_moe else ()
     frozen = torch.bfloat16 if s.frozen_dtype == "bfloat16" else torch.float32
-    trainer = NodeTrainer(model, own, s.optim, s.total_steps, frozen, s.decayed_lb)
+    trainer = NodeTrainer(model, own, s.optim, s.total_steps, frozen, s.decayed_lb, s.autocast)
     prev = latest_node_state(store, run, node, r)
     position = 0
     if prev is not None:
@@ -88,6 +91,8 @@ def node_round(p: Params, store: Store, run: str, r: int, node: int, data: Token
             counts = m.expert_counts_LE if counts is None else counts + m.expert_counts_LE
         if on_step is not None:
             on_step(i)
+    losses = torch.stack(losses).tolist()  # the round's one wait for the device
+    counts = counts.cpu() if counts is not None else None
     t_compute = time.perf_counter() - t1
 
     t2 = time.perf_counter()
@@ -97,7 +102,7 @@ def node_round(p: Params, store: Store, run: str, r: int, node: int, data: Token
             "step_end": r * s.sync_steps, "loss_first": losses[0], "loss_last": losses[-1],
             "loss_mean": sum(losses) / len(losses), "losses": losses,
             "expert_load": counts.tolist() if counts is not None else [],
-            "bytes_down": bytes_down, "seconds_load": t_load, "seconds_compute": t_compute}
+            "bytes_down": bytes_down, "seconds_load": t_load, "seconds_compute": t_compute, "device": str(device)}
     manifest = store.write_bundle(rel, {UPLOAD_FILE: upload, OPTIM_FILE: optim}, meta)
     meta["bytes_up"] = manifest["files"][UPLOAD_FILE]["bytes"]
     meta["seconds_save"] = time.perf_counter() - t2

@@ -3,6 +3,8 @@
 The optimizer is built over trainable parameters only, so frozen experts have no gradient and no
 optimizer state (the memory saving SPES relies on). The LR schedule is a pure function of the global
 step, so resuming needs only the step, the optimizer tensors and the data position.
+The trainer computes on the model's device; what it hands out for storage (upload, optimizer tensors)
+is on the CPU. Step metrics stay on the device (0-dim tensors) so a step never waits for the GPU.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Iterable, Optional
 import torch
 
 from spes.config import OptimConfig
+from spes.devices import autocast
 from spes.losses import decayed_lb_factor
 from spes.model import CausalLM, ModelOutput
 from spes.moe import MoE
@@ -29,18 +32,22 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
 
 @dataclass
 class StepMetrics:
-    loss: float
-    ce: float
-    lb: float
-    z: float
+    """0-dim tensors on the model's device (reading one with float() waits for the step to finish)."""
+    loss: torch.Tensor
+    ce: torch.Tensor
+    lb: Optional[torch.Tensor]
+    z: Optional[torch.Tensor]
     tokens: int
     expert_counts_LE: Optional[torch.Tensor]
 
 
 class NodeTrainer:
     def __init__(self, model: CausalLM, owned: Iterable[int], optim: OptimConfig, total_steps: int,
-                 frozen_dtype: torch.dtype = torch.float32, decayed_lb: bool = False):
+                 frozen_dtype: torch.dtype = torch.float32, decayed_lb: bool = False,
+                 autocast_dtype: Optional[str] = None):
         self.model, self.cfg, self.total_steps = model, optim, total_steps
+        self.device = next(model.parameters()).device
+        self.autocast_dtype = autocast_dtype
         self.owned = tuple(sorted(owned))
         self.decayed_lb = decayed_lb
         if model.cfg.is_moe:
@@ -58,7 +65,7 @@ class NodeTrainer:
     def _lb_expert_weight(self, step: int) -> Optional[torch.Tensor]:
         if not (self.decayed_lb and self.model.cfg.is_moe):
             return None
-        w = torch.ones(self.model.cfg.num_experts)
+        w = torch.ones(self.model.cfg.num_experts, device=self.device)
         w[list(self.owned)] = decayed_lb_factor(step, self.total_steps)
         return w
 
@@ -66,15 +73,18 @@ class NodeTrainer:
         self.model.train()
         for g in self.optimizer.param_groups:
             g["lr"] = lr_at(step, self.cfg, self.total_steps)
-        out: ModelOutput = self.model(input_ids_BS, labels_BS, self._lb_expert_weight(step))
+        input_ids_BS = input_ids_BS.to(self.device, non_blocking=True)
+        labels_BS = labels_BS.to(self.device, non_blocking=True)
+        with autocast(self.device, self.autocast_dtype):
+            out: ModelOutput = self.model(input_ids_BS, labels_BS, self._lb_expert_weight(step))
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         if self.cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_([p for _, p in self.trainable_named_parameters()], self.cfg.grad_clip)
         self.optimizer.step()
-        lb = out.lb.item() if out.lb is not None else 0.0
-        z = out.z.item() if out.z is not None else 0.0
-        return StepMetrics(out.loss.item(), out.ce.item(), lb, z, input_ids_BS.numel(), out.expert_counts_LE)
+        detach = lambda t: None if t is None else t.detach()  # noqa: E731
+        return StepMetrics(out.loss.detach(), out.ce.detach(), detach(out.lb), detach(out.z), input_ids_BS.numel(),
+                           out.expert_counts_LE)
 
     # -- what goes up at a sync: shared params + owned expert rows (canonical names) ----------------
     @torch.no_grad()
@@ -82,13 +92,13 @@ class NodeTrainer:
         up: dict[str, torch.Tensor] = {}
         for name, p in self.model.named_parameters():
             if ".mlp.experts.chunks." not in name:
-                up[name] = p.detach().clone()
+                up[name] = p.detach().to("cpu", copy=True)
         for i, layer in enumerate(self.model.model.layers):
             if isinstance(layer.mlp, MoE):
                 trained = [c for c in layer.mlp.experts.chunks if c.trainable]
                 for attr in ("gate_up_proj", "down_proj"):
                     rows = [getattr(c, attr).detach() for c in trained]
-                    up[f"model.layers.{i}.mlp.experts.{attr}"] = torch.cat(rows) if rows else torch.empty(0)
+                    up[f"model.layers.{i}.mlp.experts.{attr}"] = torch.cat(rows).cpu() if rows else torch.empty(0)
         return up
 
     # -- optimizer state as flat tensors (safetensors-friendly, no pickle) ---------------------------
@@ -98,9 +108,9 @@ class NodeTrainer:
             st = self.optimizer.state.get(p)
             if not st:
                 continue
-            out[f"{name}::exp_avg"] = st["exp_avg"].detach().clone()
-            out[f"{name}::exp_avg_sq"] = st["exp_avg_sq"].detach().clone()
-            out[f"{name}::step"] = torch.as_tensor(st["step"], dtype=torch.float64).reshape(1).clone()
+            out[f"{name}::exp_avg"] = st["exp_avg"].detach().to("cpu", copy=True)
+            out[f"{name}::exp_avg_sq"] = st["exp_avg_sq"].detach().to("cpu", copy=True)
+            out[f"{name}::step"] = torch.as_tensor(st["step"], dtype=torch.float64).cpu().reshape(1).clone()
         return out
 
     def load_optimizer_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -114,6 +124,6 @@ class NodeTrainer:
                 continue
             self.optimizer.state[p] = {
                 "step": torch.tensor(float(tensors[f"{name}::step"].item())),
-                "exp_avg": tensors[f"{name}::exp_avg"].clone().to(p.dtype),
-                "exp_avg_sq": tensors[f"{name}::exp_avg_sq"].clone().to(p.dtype),
+                "exp_avg": tensors[f"{name}::exp_avg"].to(device=p.device, dtype=p.dtype, copy=True),
+                "exp_avg_sq": tensors[f"{name}::exp_avg_sq"].to(device=p.device, dtype=p.dtype, copy=True),
             }

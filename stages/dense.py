@@ -24,6 +24,7 @@ def main() -> None:
     import torch
 
     from spes.data import BatchStream, TokenData
+    from spes.devices import resolve_device
     from spes.evaluation import heldout_loss
     from spes.hf import export_hf
     from spes.model import CausalLM
@@ -33,8 +34,8 @@ def main() -> None:
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     data = TokenData.open(os.path.join(p.artifacts_dir, "tokens"))
     cfg = dataclasses.replace(p.model, num_experts=0)
-    model = CausalLM(cfg)
-    trainer = NodeTrainer(model, (), p.dense.optim, p.dense.steps)
+    model = CausalLM(cfg).to(resolve_device(p.orchestration.device))
+    trainer = NodeTrainer(model, (), p.dense.optim, p.dense.steps, autocast_dtype=p.spes.autocast)
     stream = BatchStream(data.train, p.dense.batch_size, p.dense.seq_len, p.dense.seed, node=10_000)
     e = p.eval
     before = heldout_loss(model, data.val, e.batch_size, e.seq_len, e.batches)["loss"]
@@ -42,9 +43,10 @@ def main() -> None:
     for step in range(p.dense.steps):
         m = trainer.train_step(*stream.next(), step)
         if step % 50 == 0 or step == p.dense.steps - 1:
-            print(f"dense step {step}: loss {m.ce:.4f}")
+            print(f"dense step {step}: loss {float(m.ce):.4f}")
     secs = time.time() - t0
     after = heldout_loss(model, data.val, e.batch_size, e.seq_len, e.batches)["loss"]
+    model.to("cpu")
     arch = {"auto": None}.get(p.dense.export_arch, p.dense.export_arch)
     shutil.rmtree(hf_dir, ignore_errors=True)
     export_hf(model, hf_dir, os.path.join(p.artifacts_dir, "tokens", "tokenizer.json"), arch)

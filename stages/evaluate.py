@@ -13,6 +13,7 @@ def main() -> None:
     import torch
 
     from spes.data import TokenData
+    from spes.devices import resolve_device
     from spes.evaluation import heldout_loss, run_lm_eval
     from spes.hf import export_hf, to_hf
     from spes.model import CausalLM
@@ -27,17 +28,19 @@ def main() -> None:
     rounds = store.committed_rounds(run)
     if not rounds:
         raise SystemExit(f"evaluate: run {run!r} has no committed rounds on {store.url}")
+    device = resolve_device(p.orchestration.device)
     per_round, node_rows = [], []
     model = None
     for r in rounds:
         model, manifest, _ = load_global(store, run, r)
-        ev = heldout_loss(model, data.val, e.batch_size, e.seq_len, e.batches)
+        ev = heldout_loss(model.to(device), data.val, e.batch_size, e.seq_len, e.batches)
         per_round.append({"round": r, "step": manifest["meta"]["step"], "heldout_loss": ev["loss"]})
         for node, loss in manifest["meta"].get("node_loss", {}).items():
             node_rows.append({"round": r, "node": int(node), "train_loss": loss})
     torch.manual_seed(p.init.seed + 1)
-    untrained = heldout_loss(CausalLM(model.cfg), data.val, e.batch_size, e.seq_len, e.batches)["loss"]
+    untrained = heldout_loss(CausalLM(model.cfg).to(device), data.val, e.batch_size, e.seq_len, e.batches)["loss"]
     final = heldout_loss(model, data.val, e.batch_size, e.seq_len, e.batches)
+    model.to("cpu")
 
     hf_dir = os.path.join(d, "hf")
     export_hf(model, hf_dir, os.path.join(p.artifacts_dir, "tokens", "tokenizer.json"))

@@ -1,0 +1,62 @@
+import os
+
+import pytest
+import torch
+
+from spes.config import ConfigError, OptimConfig, load_params
+from spes.devices import DeviceError, resolve_device
+from spes.model import CausalLM
+from spes.moe import TopKRouter
+from spes.trainer import NodeTrainer
+from tests.spes.test_training_units import tiny
+
+PARAMS_YAML = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "params.yaml")
+
+
+def test_resolve_device():
+    assert resolve_device("cpu", 3) == torch.device("cpu")
+    with pytest.raises(DeviceError, match="auto\\|cpu\\|cuda"):
+        resolve_device("gpu")
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        assert resolve_device("auto", 5) == torch.device("cuda", 5 % n)
+        with pytest.raises(DeviceError, match="CUDA device"):
+            resolve_device(f"cuda:{n}")
+    else:
+        assert resolve_device("auto", 5) == torch.device("cpu")
+        with pytest.raises(DeviceError, match="sees no CUDA device"):
+            resolve_device("cuda:0")
+
+
+@pytest.mark.parametrize("override,key", [("orchestration.device=gpu0", "orchestration.device"),
+                                          ("spes.autocast=int8", "spes.autocast")])
+def test_device_and_autocast_are_validated(override, key):
+    with pytest.raises(ConfigError, match=key):
+        load_params(PARAMS_YAML, [override])
+
+
+def test_router_stays_fp32_under_autocast():
+    router = TopKRouter(16, 4, 2, True)
+    x = torch.randn(6, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        r = router(x)
+    assert r.logits_TE.dtype == torch.float32
+    assert torch.equal(r.logits_TE, torch.nn.functional.linear(x, router.weight))
+
+
+def test_bf16_autocast_step_tracks_fp32_and_hands_out_fp32_on_cpu():
+    torch.manual_seed(0)
+    ref = CausalLM(tiny())
+    sd = {k: v.clone() for k, v in ref.canonical_state_dict().items()}
+    x = torch.randint(0, 64, (2, 12))
+    losses = {}
+    for dtype in (None, "bfloat16"):
+        m = CausalLM(tiny())
+        m.load_canonical_state_dict(sd)
+        tr = NodeTrainer(m, [0, 1], OptimConfig(lr=1e-2, warmup_steps=1), 10, autocast_dtype=dtype)
+        metrics = tr.train_step(x, x, 0)
+        assert metrics.ce.ndim == 0 and metrics.ce.device == tr.device  # no host sync in the step
+        losses[dtype] = float(metrics.ce)
+        up = tr.upload()
+        assert all(v.dtype == torch.float32 and v.device.type == "cpu" for v in up.values())
+    assert losses["bfloat16"] != losses[None] and abs(losses["bfloat16"] - losses[None]) < 0.05
