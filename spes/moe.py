@@ -8,6 +8,9 @@ chunks get no weight gradient and no optimizer state, yet activations still back
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -39,15 +42,41 @@ def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.shape[-1] % align == 0 and w.shape[-1] % align == 0 and w.shape[-2] % align == 0
 
 
+EXPERTS_IMPLS = ("auto", "grouped_mm", "triton", "loop")
+EXPERTS_IMPL = os.environ.get("SPES_EXPERTS_IMPL", "auto")
+"""auto = torch's grouped_mm where it applies (CPU; CUDA bf16), else the Triton kernel on CUDA, else a loop
+over experts. SPES_EXPERTS_IMPL pins one (tests and benchmarks compare them)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def experts_impl(x: torch.Tensor, w: torch.Tensor) -> str:
+    if EXPERTS_IMPL not in EXPERTS_IMPLS:
+        raise ValueError(f"SPES_EXPERTS_IMPL must be one of {EXPERTS_IMPLS}, got {EXPERTS_IMPL!r}")
+    if EXPERTS_IMPL != "auto":
+        return EXPERTS_IMPL
+    if _grouped_mm_ok(x, w):
+        return "grouped_mm"
+    return "triton" if x.is_cuda and _triton_available() else "loop"
+
+
 def grouped_linear(x_SD: torch.Tensor, w_EOD: torch.Tensor, counts_E: torch.Tensor,
                    counts_list: Optional[list[int]] = None) -> torch.Tensor:
     """Rows of x sorted by expert; rows [off_e, off_e + counts_e) go through expert e: y = x @ w_e^T."""
     if torch.is_autocast_enabled(x_SD.device.type):  # grouped_mm is not on autocast's op lists: cast here
         x_SD = x_SD.to(torch.get_autocast_dtype(x_SD.device.type))
     w_EOD = w_EOD.to(x_SD.dtype)
-    if _grouped_mm_ok(x_SD, w_EOD):
+    impl = experts_impl(x_SD, w_EOD)
+    if impl == "grouped_mm":
         offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
         return _ContiguousGrad.apply(F.grouped_mm(x_SD, w_EOD.transpose(-2, -1), offs=offs_E))
+    if impl == "triton":
+        from spes.kernels.triton_grouped import triton_grouped_linear
+
+        return triton_grouped_linear(x_SD, w_EOD, counts_E)
     # Reference loop: one contiguous slice per expert (host sync for the counts).
     counts_list = counts_E.tolist() if counts_list is None else counts_list
     outs = [x_e @ w_EOD[e].t() for e, x_e in enumerate(torch.split(x_SD, counts_list))]
@@ -105,7 +134,7 @@ class Experts(nn.Module):
 
     # -- compute --------------------------------------------------------------------------------
     def forward(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        if len(self.chunks) == 1:  # no host sync on this path (grouped_mm takes device offsets)
+        if len(self.chunks) == 1:  # no host sync on this path (grouped_mm / Triton take device offsets)
             return self._chunk_forward(self.chunks[0], x_SD, counts_E)
         counts = counts_E.tolist()  # host sync: chunk boundaries are needed to slice the rows
         outs, row = [], 0
