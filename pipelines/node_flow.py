@@ -8,6 +8,8 @@ Token shards come from shared storage too (`tokens`: the key the training flow p
 cached in `orchestration.node_cache_dir` on the node's machine; without a key, the local artifacts are used.
 """
 
+# No `from __future__ import annotations` here: Prefect's runner pickles a served flow by value, and
+# its parameter annotations must resolve as objects in the child process.
 import os
 from typing import Optional
 

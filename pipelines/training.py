@@ -9,6 +9,8 @@ Per round, a table artifact (node, loss, tokens, bytes up/down, seconds, expert 
 artifact for the run show up in the Prefect UI.
 """
 
+# No `from __future__ import annotations` here: Prefect's runner pickles a served flow by value, and
+# its parameter annotations must resolve as objects in the child process.
 import hashlib
 import json
 import os
@@ -27,7 +29,6 @@ from spes.config import Params, load_params, params_from_dict, to_dict
 from spes.rounds import aggregate_round, commit_initial, committed_nodes
 from spes.store import Store, StoreError
 from spes.token_share import publish_tokens, tokens_rel
-
 
 
 def artifact_key(*parts: Any) -> str:
