@@ -10,11 +10,13 @@ cached in `orchestration.node_cache_dir` on the node's machine; without a key, t
 
 # No `from __future__ import annotations` here: Prefect's runner pickles a served flow by value, and
 # its parameter annotations must resolve as objects in the child process.
+import json
 import os
 from typing import Optional
 
 from prefect import flow
 
+from pipelines.node_worker import fault_hook
 from spes.config import params_from_dict
 from spes.data import TokenData
 from spes.rounds import node_round
@@ -33,7 +35,10 @@ def spes_node(params: dict, run: str, r: int, node: int, tokens: Optional[str] =
         data = fetch_tokens(store, tokens, p.orchestration.node_cache_dir)
     else:
         data = TokenData.open(os.path.join(p.artifacts_dir, "tokens"))
-    return node_round(p, store, run, r, node, data)
+    plan = json.loads(os.environ.get("SPES_FAULT_PLAN", "{}"))
+    cache = os.path.expanduser(p.orchestration.node_cache_dir)
+    hook = fault_hook(plan, run, r, node, cache) if plan else None
+    return node_round(p, store, run, r, node, data, on_step=hook)
 
 
 if __name__ == "__main__":

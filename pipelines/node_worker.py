@@ -5,9 +5,10 @@ answers one line `RESULT {...}` on stdout. Staying alive across rounds saves the
 (seconds per round on small machines); since every round reloads its state from storage, a killed worker is
 simply replaced and the result is the same.
 
-`SPES_FAULT_PLAN` (JSON) injects faults for tests:
+`SPES_FAULT_PLAN` (JSON) injects faults for tests (here and in the `spes-node` deployment flow):
   {"kill": {"round": 2, "node": 1, "after_step": 3}}   SIGKILL once (a marker file makes it fire once)
   {"slow": {"round": 2, "node": 1, "seconds": 5}}        sleep before every step (a straggler)
+each optionally limited to one run with "run": "<name>".
 """
 from __future__ import annotations
 
@@ -20,16 +21,20 @@ import time
 RESULT = "RESULT "
 
 
-def _fault_hook(plan: dict, r: int, node: int, marker_dir: str):
-    kill, slow = plan.get("kill"), plan.get("slow")
+def fault_hook(plan: dict, run: str, r: int, node: int, marker_dir: str):
+    def applies(f):
+        return f and f["round"] == r and f["node"] == node and f.get("run", run) == run
+
+    kill = plan.get("kill") if applies(plan.get("kill")) else None
+    slow = plan.get("slow") if applies(plan.get("slow")) else None
 
     def on_step(i: int) -> None:
-        if kill and kill["round"] == r and kill["node"] == node and i == kill.get("after_step", 0):
+        if kill and i == kill.get("after_step", 0):
             marker = os.path.join(marker_dir, f"killed-r{r}-n{node}")
             if not os.path.exists(marker):
                 open(marker, "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
-        if slow and slow["round"] == r and slow["node"] == node:
+        if slow:
             time.sleep(float(slow["seconds"]))
 
     return on_step
@@ -53,7 +58,7 @@ def serve() -> int:
             p = params_from_dict(json.load(f))
         torch.set_num_threads(max(1, p.orchestration.threads_per_node))
         r, node = int(cmd["round"]), int(cmd["node"])
-        hook = _fault_hook(plan, r, node, os.path.dirname(os.path.abspath(cmd["params"]))) if plan else None
+        hook = fault_hook(plan, cmd["run"], r, node, os.path.dirname(os.path.abspath(cmd["params"]))) if plan else None
         try:
             meta = node_round(p, Store(p.storage.url, p.storage.options), cmd["run"], r, node,
                               TokenData.open(os.path.join(p.artifacts_dir, "tokens")), on_step=hook)

@@ -84,10 +84,22 @@ def _run_node_deployment(name: str, p: Params, run: str, r: int, node: int, time
                                           "tokens": tokens_key},
                         timeout=timeout_s, flow_run_name=f"{run}-node-{node}-round-{r}")
     if fr.state is None or not fr.state.is_final():
+        _cancel_flow_run(fr.id)  # a straggler must not keep its GPU busy into the next round
         return "timeout"
     if not fr.state.is_completed():
         raise NodeFailed(f"node {node} round {r}: deployment run ended {fr.state.name}")
     return "ok"
+
+
+def _cancel_flow_run(flow_run_id) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+
+    try:
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(flow_run_id, Cancelling(), force=True)
+    except Exception as e:  # the round goes on without the node either way
+        get_run_logger().warning("could not cancel node flow run %s: %s", flow_run_id, e)
 
 
 @task(task_run_name="aggregate-round-{r}")

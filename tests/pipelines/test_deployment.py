@@ -19,6 +19,7 @@ from spes.store import Store
 from tests.pipelines.tiny_project import assert_same, final_weights, init_run, make_project
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STRAGGLER = {"slow": {"run": "dep-slow", "round": 1, "node": 1, "seconds": 30}}  # in the spes-node flow
 
 
 def _free_port() -> int:
@@ -61,17 +62,17 @@ def served(tmp_path_factory):
     host, port = api.split("//")[1].split("/")[0].split(":")
     procs, logs = [], []
 
-    def start(name, *args):
+    def start(name, *args, **extra_env):
         log = open(root / f"{name}.log", "w")
         logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, env=env, stdout=log,
+        procs.append(subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, env=dict(env, **extra_env), stdout=log,
                                       stderr=subprocess.STDOUT, start_new_session=True))
 
     try:
         start("server", "prefect", "server", "start", "--host", host, "--port", port, "--no-ui")
         _wait_for("prefect server", lambda: _api(api, "/health") is True, 180, procs)
         start("serve", "pipelines.serve", "--params", str(root / "params.yaml"))
-        start("node", "pipelines.node_flow")
+        start("node", "pipelines.node_flow", SPES_FAULT_PLAN=json.dumps(STRAGGLER))
         for name in ("spes-training/spes", "spes-node/spes-node"):
             _wait_for(f"deployment {name}", lambda: _api(api, f"/deployments/name/{name}")["id"], 120, procs)
         yield root, env, api
@@ -140,3 +141,24 @@ def test_deployment_resume_from_uncommitted_round_fails_clearly(served):
     res = deployment_run(served, "run_name=dep-bad", "resume_round=7")
     assert res.returncode == 1 and "Failed" in res.stdout
     assert "round 7 is not committed (committed: [0])" in (root / "serve.log").read_text()
+
+
+def test_straggler_node_deployment_is_cancelled_and_left_out(served):
+    root, _, api = served
+    pfile = str(root / "params.yaml")
+    init_run(pfile, "dep-slow")
+    overrides = ["orchestration.executor=deployment", "orchestration.round_timeout_s=25", "orchestration.min_nodes=1",
+                 f"orchestration.node_cache_dir={root / 'node-cache'}"]
+    _ok(deployment_run(served, "run_name=dep-slow", "stage=warmup", f"overrides={json.dumps(overrides)}"), served)
+    store = Store(load_params(pfile).storage.url)
+    meta = [store.read_manifest(store.global_dir("dep-slow", r))["meta"] for r in (1, 2)]
+    assert (meta[0]["contributors"], meta[0]["missing"]) == ([0], [1])
+    assert meta[1]["contributors"] == [0, 1]  # back in the next round
+    deadline = time.time() + 90
+    while time.time() < deadline:  # the runner acts on the cancellation asynchronously
+        states = {r["name"]: r["state_type"] for r in _api(api, "/flow_runs/filter", {"limit": 100})}
+        if states.get("dep-slow-node-1-round-1") == "CANCELLED":
+            break
+        time.sleep(2)
+    assert states.get("dep-slow-node-1-round-1") == "CANCELLED", states
+    assert not store.is_committed(store.node_dir("dep-slow", 1, 1))  # it never finished its round
