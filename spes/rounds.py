@@ -120,8 +120,10 @@ def aggregate_round(p: Params, store: Store, run: str, r: int, min_nodes: Option
     if store.is_committed(rel):
         return store.read_manifest(rel)["meta"]
     t0 = time.perf_counter()
-    model, _, outer = load_global(store, run, r - 1)
-    prev = model.canonical_state_dict()
+    gb = store.read_bundle(store.global_dir(run, r - 1))  # tensors as stored: no model to build
+    prev = gb.files[MODEL_FILE]
+    cfg = ModelConfig(**gb.meta["model_config"])
+    outer = OuterState(dict(gb.files[OUTER_FILE])) if OUTER_FILE in gb.files else None
     present = committed_nodes(store, run, r, s.num_nodes)
     need = min_nodes if min_nodes is not None else s.num_nodes
     if len(present) < need:
@@ -137,13 +139,13 @@ def aggregate_round(p: Params, store: Store, run: str, r: int, min_nodes: Option
                     outer_lr=s.outer_lr, outer_momentum=s.outer_momentum, outer_nesterov=s.outer_nesterov)
     step = r * s.sync_steps
     alpha = merge_alpha(step, s.merge.alpha_start, s.merge.decay_steps) if s.merge.enabled else 0.0
-    merged = model.cfg.is_moe and s.merge.enabled and merge_due(step, s.merge.interval, alpha)
+    merged = cfg.is_moe and s.merge.enabled and merge_due(step, s.merge.interval, alpha)
     if merged:
         new = merge_experts(new, alpha, s.merge.top_k)
     files = {MODEL_FILE: new}
     if outer is not None and outer.momentum:
         files[OUTER_FILE] = outer.momentum
-    meta = {"round": r, "step": step, "method": s.method, "model_config": dataclasses.asdict(model.cfg),
+    meta = {"round": r, "step": step, "method": s.method, "model_config": dataclasses.asdict(cfg),
             "contributors": present, "missing": [i for i in range(s.num_nodes) if i not in present],
             "merge_alpha": alpha if merged else 0.0, "merged": bool(merged),
             "node_loss": {str(i): node_meta[i]["loss_mean"] for i in present},
