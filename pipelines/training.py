@@ -35,12 +35,28 @@ def artifact_key(*parts: Any) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", "-".join(str(p) for p in parts).lower()).strip("-")
 
 
-def run_fingerprint(p: Params, init_sha: str) -> str:
-    """What makes committed rounds reusable: same model, init, data and SPES settings."""
-    d = to_dict(p)
-    keep = {k: d[k] for k in ("model", "init", "spes", "tokenize", "dense")}
+FINGERPRINT_SECTIONS = ("model", "init", "spes", "tokenize", "dense")
+
+
+def _non_default(d: Any, default: Any) -> Any:
+    if isinstance(d, dict) and isinstance(default, dict):
+        out = {k: _non_default(v, default.get(k)) for k, v in d.items() if k not in default or v != default[k]}
+        return {k: v for k, v in out.items() if v != {} or k not in default}
+    return d
+
+
+def fingerprint_of(settings: dict, init_sha: str) -> str:
+    """Only settings that differ from the schema's defaults count, so a release that adds a setting (at a
+    default that keeps the old behaviour) leaves existing runs resumable."""
+    defaults = to_dict(Params())
+    keep = {k: _non_default(settings.get(k, {}), defaults[k]) for k in FINGERPRINT_SECTIONS}
     keep["init_sha256"] = init_sha
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def run_fingerprint(p: Params, init_sha: str) -> str:
+    """What makes committed rounds reusable: same model, init, data and SPES settings."""
+    return fingerprint_of(to_dict(p), init_sha)
 
 
 # -- node --------------------------------------------------------------------------------------------
