@@ -10,15 +10,14 @@ cached in `orchestration.node_cache_dir` on the node's machine; without a key, t
 
 # No `from __future__ import annotations` here: Prefect's runner pickles a served flow by value, and
 # its parameter annotations must resolve as objects in the child process.
-import json
 import os
 from typing import Optional
 
 from prefect import flow
 
-from pipelines.node_worker import fault_hook
-from spes.config import params_from_dict
+from pipelines.faults import FaultPlan
 from spes.data import TokenData
+from spes.params import params_from_dict
 from spes.rounds import node_round
 from spes.store import Store
 from spes.token_share import fetch_tokens
@@ -30,15 +29,12 @@ def spes_node(params: dict, run: str, r: int, node: int, tokens: Optional[str] =
     import torch
 
     torch.set_num_threads(max(1, p.orchestration.threads_per_node))
-    store = Store(p.storage.url, p.storage.options)
+    store = Store.from_config(p.storage)
     if tokens:
         data = fetch_tokens(store, tokens, p.orchestration.node_cache_dir)
     else:
         data = TokenData.open(os.path.join(p.artifacts_dir, "tokens"))
-    plan = json.loads(os.environ.get("SPES_FAULT_PLAN", "{}"))
-    cache = os.path.expanduser(p.orchestration.node_cache_dir)
-    hook = fault_hook(plan, run, r, node, cache) if plan else None
-    return node_round(p, store, run, r, node, data, on_step=hook)
+    return node_round(p, store, run, r, node, data, on_step=FaultPlan.from_env().hook(run, r, node))
 
 
 if __name__ == "__main__":

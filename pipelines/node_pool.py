@@ -1,9 +1,15 @@
-"""Long-lived node processes on this machine, one per node, reused across rounds (see node_worker.py)."""
+"""Long-lived node processes on this machine, one per node, reused across rounds (see node_worker.py).
+
+On Linux each node process is tied to its parent (PR_SET_PDEATHSIG): if the flow is killed, its nodes
+die with it instead of finishing a round nobody waits for."""
 from __future__ import annotations
 
+import concurrent.futures
+import ctypes
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -19,14 +25,29 @@ class NodeFailed(RuntimeError):
     pass
 
 
+def die_with_parent() -> None:
+    """preexec_fn: SIGKILL this child when the thread that started it dies (Linux; a no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+# The death signal follows the *thread* that forked: fork from one thread that lives as long as the process,
+# not from a task runner's worker thread that may exit while the node is still wanted.
+_SPAWNER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="spes-node-spawner")
+
+
+def spawn(args: list[str], **kwargs) -> subprocess.Popen:
+    return _SPAWNER.submit(subprocess.Popen, args, preexec_fn=die_with_parent, **kwargs).result()
+
+
 class NodeProcess:
     def __init__(self, node: int):
         env = dict(os.environ)
         env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
         self.node = node
-        self.proc = subprocess.Popen([sys.executable, "-m", "pipelines.node_worker"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                     env=env)
+        self.proc = spawn([sys.executable, "-m", "pipelines.node_worker"], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
         self.lines: "queue.Queue[Optional[str]]" = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 

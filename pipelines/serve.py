@@ -12,7 +12,7 @@ import argparse
 import os
 
 from pipelines.training import spes_training
-from spes.config import load_params
+from spes.params import load_params
 
 
 def main() -> None:

@@ -1,20 +1,16 @@
-"""The one configuration: `params.yaml` read through OmegaConf structured configs.
+"""The configuration schema: one dataclass per section of `params.yaml`, a docstring per field.
 
-Every section is a dataclass with a docstring per field; `load_params` merges the YAML
-(and dotlist overrides) onto the schema, so unknown keys and wrong types fail at load time,
-and `validate` checks the cross-field invariants before any compute starts.
+`spes/params.py` reads the YAML onto this schema (unknown keys and wrong types fail there) and
+validates the cross-field invariants before any compute starts. Nothing here touches the filesystem.
 """
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from omegaconf import MISSING, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+EXPERTS_IMPLS = ("auto", "grouped_mm", "triton", "loop")
 
 
 class ConfigError(ValueError):
@@ -51,6 +47,10 @@ class ModelConfig:
     """Switch load-balancing loss weight."""
     z_loss_coef: float = 0.001
     """Router z-loss weight."""
+    experts_impl: str = "auto"
+    """How the experts compute: 'auto' (torch grouped_mm where it has a kernel, else Triton on CUDA, else a
+    loop), or one of 'grouped_mm', 'triton', 'loop' pinned (tests and benchmarks compare them). An
+    implementation choice, not part of the maths: it is not in the run fingerprint."""
 
     @property
     def is_moe(self) -> bool:
@@ -59,6 +59,12 @@ class ModelConfig:
     @property
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
+
+    def build(self):
+        """The model this config describes (fresh random init)."""
+        from spes.model import CausalLM  # the model module imports this one
+
+        return CausalLM(self)
 
 
 @dataclass
@@ -166,12 +172,17 @@ class StorageConfig:
     url: str = "artifacts/storage"
     """fsspec URL of shared storage: a local folder or s3://bucket/prefix."""
     options: dict[str, Any] = field(default_factory=dict)
-    """fsspec storage options, e.g. {endpoint_url: http://127.0.0.1:5000, key: ..., secret: ...}."""
+    """fsspec storage options, e.g. {endpoint_url: http://127.0.0.1:5000}; credentials preferably from AWS_*."""
+    timeout_s: float = 30.0
+    """Connect and read timeout of one storage call (S3); a call that hangs longer is retried."""
+    retries: int = 4
+    """Retries of a failed storage call (exponential backoff from 0.5 s, each logged), then the call fails."""
 
 
 @dataclass
 class OrchestrationConfig:
     run_name: str = "default"
+    """Names the run's folder on storage: letters, digits, '.', '_' and '-' only."""
     executor: str = "process"
     """'process' = one subprocess per node on this machine; 'deployment' = run_deployment per node."""
     node_deployment: str = "spes-node/spes-node"
@@ -211,95 +222,3 @@ class Params:
     orchestration: OrchestrationConfig = field(default_factory=OrchestrationConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     artifacts_dir: str = "artifacts"
-
-
-_METHODS = ("spes", "diloco", "fedavg", "centralized")
-
-
-def validate(p: Params) -> Params:
-    """Cross-field checks; raises ConfigError naming the key."""
-    m, s = p.model, p.spes
-
-    def need(cond: bool, msg: str) -> None:
-        if not cond:
-            raise ConfigError(msg)
-
-    need(m.hidden_size > 0 and m.num_layers > 0, "model.hidden_size and model.num_layers must be > 0")
-    need(m.num_heads > 0 and m.num_heads % m.num_kv_heads == 0,
-         f"model.num_heads ({m.num_heads}) must be a multiple of model.num_kv_heads ({m.num_kv_heads})")
-    need(m.head_dim is not None or m.hidden_size % m.num_heads == 0,
-         f"model.hidden_size ({m.hidden_size}) not divisible by model.num_heads ({m.num_heads}); set model.head_dim")
-    need(m.dim_per_head % 2 == 0, f"head dim ({m.dim_per_head}) must be even for RoPE")
-    need(m.qk_norm in ("full", "head", "none"), f"model.qk_norm must be full|head|none, got {m.qk_norm!r}")
-    need(m.num_experts >= 0, "model.num_experts must be >= 0")
-    if m.is_moe:
-        need(1 <= m.top_k <= m.num_experts,
-             f"model.top_k ({m.top_k}) must be between 1 and model.num_experts ({m.num_experts})")
-    need(s.method in _METHODS, f"spes.method must be one of {_METHODS}, got {s.method!r}")
-    need(s.num_nodes >= 1, "spes.num_nodes must be >= 1")
-    if s.method == "centralized":
-        need(s.num_nodes == 1, f"spes.method=centralized needs spes.num_nodes=1, got {s.num_nodes}")
-    if s.method == "spes":
-        need(m.is_moe, "spes.method=spes needs an MoE model (model.num_experts > 0)")
-        if s.ownership is None:
-            need(m.num_experts % s.num_nodes == 0,
-                 f"model.num_experts ({m.num_experts}) is not divisible by spes.num_nodes ({s.num_nodes}); "
-                 "change one or give spes.ownership explicitly")
-    need(s.sync_steps >= 1, "spes.sync_steps must be >= 1")
-    need(0 <= s.warmup_rounds <= s.rounds, f"spes.warmup_rounds ({s.warmup_rounds}) must be in [0, spes.rounds={s.rounds}]")
-    need(s.seq_len <= m.max_seq_len, f"spes.seq_len ({s.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
-    need(p.dense.seq_len <= m.max_seq_len, f"dense.seq_len ({p.dense.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
-    need(p.eval.seq_len <= m.max_seq_len, f"eval.seq_len ({p.eval.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
-    need(s.frozen_dtype in ("float32", "bfloat16"), f"spes.frozen_dtype must be float32|bfloat16, got {s.frozen_dtype!r}")
-    need(p.init.mode in ("scratch", "upcycle"), f"init.mode must be scratch|upcycle, got {p.init.mode!r}")
-    need(0.0 <= p.init.noise_fraction <= 1.0, "init.noise_fraction must be in [0, 1]")
-    need(p.tokenize.corpus_format in ("auto", "text", "json", "parquet"),
-         f"tokenize.corpus_format must be auto|text|json|parquet, got {p.tokenize.corpus_format!r}")
-    need(0.0 < p.tokenize.val_fraction < 0.5, "tokenize.val_fraction must be in (0, 0.5)")
-    if p.tokenize.corpus is not None and "://" not in p.tokenize.corpus:
-        import glob
-
-        need(bool(glob.glob(os.path.expanduser(p.tokenize.corpus))),
-             f"tokenize.corpus: no file matches {p.tokenize.corpus!r}")
-    mn = p.orchestration.min_nodes
-    need(mn is None or 1 <= mn <= s.num_nodes, f"orchestration.min_nodes ({mn}) must be in [1, spes.num_nodes={s.num_nodes}]")
-    need(s.autocast in (None, "bfloat16", "float16"), f"spes.autocast must be null|bfloat16|float16, got {s.autocast!r}")
-    need(bool(DEVICE_PATTERN.match(p.orchestration.device)),
-         f"orchestration.device must be auto|cpu|cuda|cuda:K, got {p.orchestration.device!r}")
-    need(p.orchestration.executor in ("process", "deployment"),
-         f"orchestration.executor must be process|deployment, got {p.orchestration.executor!r}")
-    mg = s.merge
-    need(mg.interval >= 1 and mg.decay_steps >= 1 and mg.top_k >= 1, "spes.merge.interval/decay_steps/top_k must be >= 1")
-    if m.is_moe and mg.enabled:
-        need(mg.top_k < m.num_experts, f"spes.merge.top_k ({mg.top_k}) must be < model.num_experts ({m.num_experts})")
-    if s.ownership is not None:
-        from spes.ownership import Ownership
-
-        Ownership.from_lists(s.ownership, m.num_experts)  # raises OwnershipError (a ConfigError)
-    return p
-
-
-def load_params(path: str = "params.yaml", overrides: Optional[list[str]] = None) -> Params:
-    """Read `path` onto the schema, apply `key=value` overrides, validate. One error line on failure."""
-    if not os.path.exists(path):
-        raise ConfigError(f"params file not found: {path}")
-    schema = OmegaConf.structured(Params)
-    try:
-        merged = OmegaConf.merge(schema, OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides or [])))
-        params: Params = OmegaConf.to_object(merged)  # type: ignore[assignment]
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"{path}: {str(e).splitlines()[0]} (key: {getattr(e, 'full_key', '?')})") from None
-    return validate(params)
-
-
-def params_from_dict(d: dict) -> Params:
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(Params), OmegaConf.create(d))
-        params: Params = OmegaConf.to_object(merged)  # type: ignore[assignment]
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"{str(e).splitlines()[0]} (key: {getattr(e, 'full_key', '?')})") from None
-    return validate(params)
-
-
-def to_dict(obj: Any) -> dict:
-    return OmegaConf.to_container(OmegaConf.structured(obj), resolve=True)  # type: ignore[return-value]

@@ -34,6 +34,7 @@ class TokenData:
     train: np.ndarray
     val: np.ndarray
     vocab_size: int
+    """The tokenizer's vocabulary: every id is below it."""
     eos_id: int
 
     @classmethod
@@ -54,7 +55,16 @@ class TokenData:
                 raise DataError(f"token shard {p} has {size} bytes, meta.json says {meta[f'{split}_tokens']} "
                                 f"{dtype.name} tokens: truncated or foreign file")
             arrays[split] = np.memmap(p, dtype=dtype, mode="r")
-        return cls(arrays["train"], arrays["val"], int(meta["vocab_size"]), int(meta["eos_id"]))
+        # ids are < the tokenizer's vocabulary (older folders only recorded the model's vocab_size)
+        return cls(arrays["train"], arrays["val"], int(meta.get("tokenizer_vocab", meta["vocab_size"])),
+                   int(meta["eos_id"]))
+
+
+def check_vocab(model_vocab_size: int, data: TokenData, where: str) -> None:
+    """Refuse token ids the model cannot embed, before any compute (else an IndexError deep in a step)."""
+    if data.vocab_size > model_vocab_size:
+        raise DataError(f"model.vocab_size ({model_vocab_size}) is smaller than the tokenizer's vocabulary "
+                        f"({data.vocab_size}) of the token data at {where}; raise model.vocab_size or retokenize")
 
 
 def _window_batch(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

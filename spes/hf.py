@@ -6,7 +6,6 @@ Our parameter names are HF's (experts in HF's 3-D layout), so conversion is conf
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Optional
 
@@ -140,7 +139,3 @@ def load_hf(path_or_id: str) -> CausalLM:
     model = CausalLM(cfg)
     model.load_canonical_state_dict(sd)
     return model.eval()
-
-
-def with_fields(cfg: ModelConfig, **changes) -> ModelConfig:
-    return dataclasses.replace(cfg, **changes)

@@ -95,7 +95,7 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.is_moe:
             self.mlp: nn.Module = MoE(cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.top_k,
-                                      cfg.norm_topk_prob, cfg.init_std)
+                                      cfg.norm_topk_prob, cfg.init_std, cfg.experts_impl)
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
 
@@ -193,7 +193,7 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def load_canonical_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        expected = canonical_shapes(self)
+        expected = canonical_shapes(self.cfg)
         missing = sorted(set(expected) - set(sd))
         unexpected = sorted(set(sd) - set(expected))
         if missing or unexpected:
@@ -211,16 +211,27 @@ class CausalLM(nn.Module):
                                             sd[f"model.layers.{i}.mlp.experts.down_proj"])
 
 
-def canonical_shapes(model: CausalLM) -> dict[str, tuple[int, ...]]:
-    cfg = model.cfg
-    shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if ".mlp.experts.chunks." not in n}
-    for i, layer in enumerate(model.model.layers):
-        if isinstance(layer.mlp, MoE):
-            E, D, I = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
-            shapes[f"model.layers.{i}.mlp.experts.gate_up_proj"] = (E, 2 * I, D)
-            shapes[f"model.layers.{i}.mlp.experts.down_proj"] = (E, D, I)
-    if cfg.tie_embeddings:
-        shapes.pop("lm_head.weight", None)
+def canonical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of the canonical state dict of a model with this config (no model is built)."""
+    D, V, hd = cfg.hidden_size, cfg.vocab_size, cfg.dim_per_head
+    H, Hkv, I, E = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.num_experts
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (V, D)
+    norm_dims = {"full": (H * hd, Hkv * hd), "head": (hd, hd)}.get(cfg.qk_norm)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
+                       p + "self_attn.q_proj.weight": (H * hd, D), p + "self_attn.k_proj.weight": (Hkv * hd, D),
+                       p + "self_attn.v_proj.weight": (Hkv * hd, D), p + "self_attn.o_proj.weight": (D, H * hd)})
+        if norm_dims:
+            shapes[p + "self_attn.q_norm.weight"], shapes[p + "self_attn.k_norm.weight"] = (norm_dims[0],), (norm_dims[1],)
+        if cfg.is_moe:
+            shapes.update({p + "mlp.gate.weight": (E, D), p + "mlp.experts.gate_up_proj": (E, 2 * I, D),
+                           p + "mlp.experts.down_proj": (E, D, I)})
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (I, D), p + "mlp.up_proj.weight": (I, D),
+                           p + "mlp.down_proj.weight": (D, I)})
     return shapes
 
 

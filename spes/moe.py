@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from spes.config import EXPERTS_IMPLS
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -42,34 +43,30 @@ def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.shape[-1] % align == 0 and w.shape[-1] % align == 0 and w.shape[-2] % align == 0
 
 
-EXPERTS_IMPLS = ("auto", "grouped_mm", "triton", "loop")
-EXPERTS_IMPL = os.environ.get("SPES_EXPERTS_IMPL", "auto")
-"""auto = torch's grouped_mm where it applies (CPU; CUDA bf16), else the Triton kernel on CUDA, else a loop
-over experts. SPES_EXPERTS_IMPL pins one (tests and benchmarks compare them)."""
-
-
 @functools.lru_cache(maxsize=None)
 def _triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def experts_impl(x: torch.Tensor, w: torch.Tensor) -> str:
-    if EXPERTS_IMPL not in EXPERTS_IMPLS:
-        raise ValueError(f"SPES_EXPERTS_IMPL must be one of {EXPERTS_IMPLS}, got {EXPERTS_IMPL!r}")
-    if EXPERTS_IMPL != "auto":
-        return EXPERTS_IMPL
+def experts_impl(requested: str, x: torch.Tensor, w: torch.Tensor) -> str:
+    """`requested` is ModelConfig.experts_impl: 'auto' = torch's grouped_mm where it has a kernel (CPU;
+    CUDA bf16), else the Triton kernel on CUDA, else a loop over experts; anything else is used as given."""
+    if requested not in EXPERTS_IMPLS:
+        raise ValueError(f"experts_impl must be one of {EXPERTS_IMPLS}, got {requested!r}")
+    if requested != "auto":
+        return requested
     if _grouped_mm_ok(x, w):
         return "grouped_mm"
     return "triton" if x.is_cuda and _triton_available() else "loop"
 
 
 def grouped_linear(x_SD: torch.Tensor, w_EOD: torch.Tensor, counts_E: torch.Tensor,
-                   counts_list: Optional[list[int]] = None) -> torch.Tensor:
+                   counts_list: Optional[list[int]] = None, impl: str = "auto") -> torch.Tensor:
     """Rows of x sorted by expert; rows [off_e, off_e + counts_e) go through expert e: y = x @ w_e^T."""
     if torch.is_autocast_enabled(x_SD.device.type):  # grouped_mm is not on autocast's op lists: cast here
         x_SD = x_SD.to(torch.get_autocast_dtype(x_SD.device.type))
     w_EOD = w_EOD.to(x_SD.dtype)
-    impl = experts_impl(x_SD, w_EOD)
+    impl = experts_impl(impl, x_SD, w_EOD)
     if impl == "grouped_mm":
         offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
         return _ContiguousGrad.apply(F.grouped_mm(x_SD, w_EOD.transpose(-2, -1), offs=offs_E))
@@ -96,9 +93,9 @@ class ExpertChunk(nn.Module):
 class Experts(nn.Module):
     """E SwiGLU experts stored as chunks of contiguous experts."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, std: float = 0.02):
+    def __init__(self, num_experts: int, hidden: int, inter: int, std: float = 0.02, impl: str = "auto"):
         super().__init__()
-        self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
+        self.num_experts, self.hidden, self.inter, self.impl = num_experts, hidden, inter, impl
         gate_up = torch.randn(num_experts, 2 * inter, hidden) * std
         down = torch.randn(num_experts, hidden, inter) * std
         self.chunks = nn.ModuleList([ExpertChunk(0, num_experts, gate_up, down, True)])
@@ -145,9 +142,9 @@ class Experts(nn.Module):
         return torch.cat(outs)
 
     def _chunk_forward(self, c: ExpertChunk, x_SD, counts_E, counts_list=None):
-        gate_up_S2I = grouped_linear(x_SD, c.gate_up_proj, counts_E, counts_list)
+        gate_up_S2I = grouped_linear(x_SD, c.gate_up_proj, counts_E, counts_list, self.impl)
         gate_SI, up_SI = gate_up_S2I.chunk(2, dim=-1)
-        return grouped_linear(F.silu(gate_SI) * up_SI, c.down_proj, counts_E, counts_list)
+        return grouped_linear(F.silu(gate_SI) * up_SI, c.down_proj, counts_E, counts_list, self.impl)
 
 
 @dataclass
@@ -179,10 +176,11 @@ class TopKRouter(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, norm_topk_prob: bool, std: float):
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, norm_topk_prob: bool, std: float,
+                 experts_impl: str = "auto"):
         super().__init__()
         self.gate = TopKRouter(hidden, num_experts, top_k, norm_topk_prob, std)
-        self.experts = Experts(num_experts, hidden, inter, std)
+        self.experts = Experts(num_experts, hidden, inter, std, experts_impl)
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, RouterOutput]:
         B, S, D = x_BSD.shape

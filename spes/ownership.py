@@ -7,11 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spes.config import ConfigError
 
-
-class OwnershipError(ConfigError):
-    pass
+class OwnershipError(ValueError):
+    """An expert map that does not give every expert exactly one owner."""
 
 
 @dataclass(frozen=True)

@@ -18,28 +18,20 @@ from spes.data import BatchStream, TokenData
 from spes.devices import resolve_device
 from spes.merging import merge_alpha, merge_due, merge_experts
 from spes.model import CausalLM
-from spes.ownership import ownership_for
+from spes.runs.layout import MODEL_FILE, OPTIM_FILE, OUTER_FILE, UPLOAD_FILE, RunLayout
 from spes.store import Store, StoreError
-from spes.trainer import NodeTrainer
-
-MODEL_FILE, OUTER_FILE = "model.safetensors", "outer.safetensors"
-UPLOAD_FILE, OPTIM_FILE = "upload.safetensors", "optim.safetensors"
+from spes.trainer import build_node_trainer
 
 
-def model_from_bundle_meta(meta: dict) -> CausalLM:
-    return CausalLM(ModelConfig(**meta["model_config"]))
-
-
-def commit_initial(store: Store, run: str, model: CausalLM, source: str) -> dict:
-    """Round 0 = the initial global model (from scratch or upcycled)."""
-    meta = {"round": 0, "step": 0, "source": source, "model_config": dataclasses.asdict(model.cfg),
-            "contributors": [], "missing": []}
-    return store.write_bundle(store.global_dir(run, 0), {MODEL_FILE: model.canonical_state_dict()}, meta)
+def node_seed(seed: int, node: int, r: int) -> int:
+    """Torch RNG seed of node `node` in round r: distinct per (run seed, node, round), so any future use of
+    randomness in a step (dropout, noise) replays exactly on a retry or resume. Spaced by primes."""
+    return seed * 100003 + node * 1009 + r
 
 
 def load_global(store: Store, run: str, r: int) -> tuple[CausalLM, dict, Optional[OuterState]]:
-    b = store.read_bundle(store.global_dir(run, r))
-    model = model_from_bundle_meta(b.meta)
+    b = store.read_bundle(RunLayout(run).global_dir(r))
+    model = ModelConfig(**b.meta["model_config"]).build()
     model.load_canonical_state_dict(b.files[MODEL_FILE])
     outer = OuterState(dict(b.files[OUTER_FILE])) if OUTER_FILE in b.files else None
     return model, b.manifest, outer
@@ -47,8 +39,9 @@ def load_global(store: Store, run: str, r: int) -> tuple[CausalLM, dict, Optiona
 
 def latest_node_state(store: Store, run: str, node: int, before_round: int):
     """The node's most recent committed bundle before `before_round` (None at the start)."""
+    layout = RunLayout(run)
     for r in range(before_round - 1, 0, -1):
-        rel = store.node_dir(run, r, node)
+        rel = layout.node_dir(r, node)
         if store.is_committed(rel):
             return store.read_bundle(rel, only=[OPTIM_FILE])
     return None
@@ -58,24 +51,22 @@ def node_round(p: Params, store: Store, run: str, r: int, node: int, data: Token
                on_step: Optional[Callable[[int], None]] = None) -> dict:
     """Run node `node`'s `sync_steps` local steps of round r and commit its bundle; returns its meta."""
     s = p.spes
-    rel = store.node_dir(run, r, node)
+    rel = RunLayout(run).node_dir(r, node)
     if store.is_committed(rel):  # a retry after the node already finished: idempotent
-        return store.read_manifest(rel)["meta"]
+        return node_meta(store.read_manifest(rel))
     t0 = time.perf_counter()
     device = resolve_device(p.orchestration.device, node)
     model, gmanifest, _ = load_global(store, run, r - 1)
     model.to(device)
     bytes_down = gmanifest["files"][MODEL_FILE]["bytes"]
-    cfg = model.cfg
-    own = ownership_for(s.method, cfg.num_experts, s.num_nodes, s.ownership).owned(node) if cfg.is_moe else ()
-    frozen = torch.bfloat16 if s.frozen_dtype == "bfloat16" else torch.float32
-    trainer = NodeTrainer(model, own, s.optim, s.total_steps, frozen, s.decayed_lb, s.autocast)
+    trainer = build_node_trainer(s, model, node)
+    own = trainer.owned
     prev = latest_node_state(store, run, node, r)
     position = 0
     if prev is not None:
         trainer.load_optimizer_tensors({k: v for k, v in prev.files[OPTIM_FILE].items() if "::" in k})
         position = int(prev.meta["data_position"])
-    torch.manual_seed(s.seed * 100003 + node * 1009 + r)  # no dropout today; keeps any future RNG use replayable
+    torch.manual_seed(node_seed(s.seed, node, r))
     stream = BatchStream(data.train, s.batch_size, s.seq_len, s.seed, node, position)
     t_load = time.perf_counter() - t0
 
@@ -104,23 +95,27 @@ def node_round(p: Params, store: Store, run: str, r: int, node: int, data: Token
             "expert_load": counts.tolist() if counts is not None else [],
             "bytes_down": bytes_down, "seconds_load": t_load, "seconds_compute": t_compute, "device": str(device)}
     manifest = store.write_bundle(rel, {UPLOAD_FILE: upload, OPTIM_FILE: optim}, meta)
-    meta["bytes_up"] = manifest["files"][UPLOAD_FILE]["bytes"]
-    meta["seconds_save"] = time.perf_counter() - t2
-    return meta
+    return {**node_meta(manifest), "seconds_save": time.perf_counter() - t2}
+
+
+def node_meta(manifest: dict) -> dict:
+    """What a node reports for a committed round: its bundle's meta plus the bytes it uploaded."""
+    return {**manifest["meta"], "bytes_up": manifest["files"][UPLOAD_FILE]["bytes"]}
 
 
 def committed_nodes(store: Store, run: str, r: int, num_nodes: int) -> list[int]:
-    return [i for i in range(num_nodes) if store.is_committed(store.node_dir(run, r, i))]
+    layout = RunLayout(run)
+    return [i for i in range(num_nodes) if store.is_committed(layout.node_dir(r, i))]
 
 
 def aggregate_round(p: Params, store: Store, run: str, r: int, min_nodes: Optional[int] = None) -> dict:
     """Combine the committed node bundles of round r into global r (with merging when due)."""
-    s = p.spes
-    rel = store.global_dir(run, r)
+    s, layout = p.spes, RunLayout(run)
+    rel = layout.global_dir(r)
     if store.is_committed(rel):
         return store.read_manifest(rel)["meta"]
     t0 = time.perf_counter()
-    gb = store.read_bundle(store.global_dir(run, r - 1))  # tensors as stored: no model to build
+    gb = store.read_bundle(layout.global_dir(r - 1))  # tensors as stored: no model to build
     prev = gb.files[MODEL_FILE]
     cfg = ModelConfig(**gb.meta["model_config"])
     outer = OuterState(dict(gb.files[OUTER_FILE])) if OUTER_FILE in gb.files else None
@@ -130,7 +125,7 @@ def aggregate_round(p: Params, store: Store, run: str, r: int, min_nodes: Option
         raise StoreError(f"round {r}: only nodes {present} committed, quorum is {need} of {s.num_nodes}")
     results, node_meta = [], {}
     for i in present:
-        b = store.read_bundle(store.node_dir(run, r, i), only=[UPLOAD_FILE])
+        b = store.read_bundle(layout.node_dir(r, i), only=[UPLOAD_FILE])
         results.append(NodeResult(i, b.files[UPLOAD_FILE], tuple(b.meta["experts"]), b.meta["tokens"]))
         node_meta[i] = b.meta
     if s.method == "diloco" and outer is None:

@@ -1,24 +1,25 @@
-"""Artifact store on shared storage (fsspec: a local folder or s3://).
+"""The bundle format on shared storage (fsspec: a local folder or s3://), and safe, bounded storage calls.
 
-A *bundle* is a folder of safetensors files + `manifest.json` (per file: sha256, bytes, tensor names,
-shapes, dtypes; plus free-form meta) + `COMMIT` (the manifest's sha256), written last with an exclusive
-create. A bundle exists only once committed; readers verify every byte before parsing and never unpickle.
+A *bundle* is a folder of files + `manifest.json` (per file: sha256, bytes and, for safetensors, tensor
+names, shapes, dtypes; plus free-form meta) + `COMMIT` (the manifest's sha256), written last with an
+exclusive create. A bundle exists only once committed; readers verify every byte before parsing and
+never unpickle. Raw-file bundles (token shards) hold files that are streamed, hashed and never parsed.
 
-Layout:  runs/<run>/LOCK.json
-         runs/<run>/rounds/<r:06d>/global/        aggregated model (+ DiLoCo outer state)
-         runs/<run>/rounds/<r:06d>/nodes/<i:03d>/  node upload + optimizer state + data position
-         data/tokens/<sha>/                         token shards for nodes on other machines (raw files)
+Every storage call goes through `Store._io`: bounded by `timeout_s` per attempt (S3), retried with
+exponential backoff on transient errors (each retry logged), then `StoreUnavailable`. Paths are relative
+to the store's root and may not leave it. Where things live is `spes/runs/layout.py`'s business.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-import socket
+import posixpath
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import fsspec
 import torch
@@ -27,6 +28,7 @@ from safetensors.torch import save as st_save
 
 FORMAT = "spes-bundle/1"
 _CHUNK = 8 << 20
+log = logging.getLogger("spes.store")
 
 
 class StoreError(RuntimeError):
@@ -45,11 +47,20 @@ class AlreadyCommitted(StoreError):
     pass
 
 
-class RunLocked(StoreError):
-    pass
+class StoreUnavailable(StoreError):
+    """Storage did not answer within its timeout, retries included."""
 
 
-def _sha256(b: bytes) -> str:
+class UnsafePath(StoreError):
+    """A path that would leave the store's root."""
+
+
+# Errors that say something definite about the data; never retried.
+_DEFINITE = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError,
+             StoreError, ValueError, TypeError, KeyError, AttributeError)
+
+
+def sha256_bytes(b: bytes) -> str:
     return hashlib.sha256(b).hexdigest()
 
 
@@ -64,81 +75,209 @@ class Bundle:
 
 
 class Store:
-    def __init__(self, url: str, options: Optional[dict] = None):
-        # Listing caches would hide files other processes wrote: always go to storage.
+    def __init__(self, url: str, options: Optional[dict] = None, timeout_s: float = 30.0, retries: int = 4,
+                 backoff_s: float = 0.5):
         opts = dict(options or {})
         protocol = url.split("://")[0] if "://" in url else "file"
         if protocol == "s3":
+            # Listing caches would hide files other processes wrote: always go to storage. Bounded calls:
+            # one attempt per call inside botocore/s3fs, our own (logged) retries around it.
             opts.setdefault("use_listings_cache", False)
             opts.setdefault("skip_instance_cache", True)
+            ck = dict(opts.pop("config_kwargs", {}) or {})
+            ck.setdefault("connect_timeout", timeout_s)
+            ck.setdefault("read_timeout", timeout_s)
+            ck.setdefault("retries", {"max_attempts": 1})
+            opts["config_kwargs"] = ck
         self.fs, root = fsspec.core.url_to_fs(url, **opts)
-        self.url, self.root, self.protocol = url, root.rstrip("/"), protocol
+        if protocol == "s3":
+            self.fs.retries = 1  # s3fs's own silent retries (a class attribute); ours below log each one
+        self.url, self.root, self.protocol = url, root.rstrip("/") or "/", protocol
+        self.retries, self.backoff_s = retries, backoff_s
         if protocol == "file":
             self.fs.makedirs(self.root, exist_ok=True)
 
+    @classmethod
+    def from_config(cls, storage) -> "Store":
+        """From a `StorageConfig` section."""
+        return cls(storage.url, storage.options, storage.timeout_s, storage.retries)
+
+    # -- bounded, retried calls ------------------------------------------------------------------
+    def _io(self, what: str, fn: Callable, *args, **kwargs):
+        for attempt in range(self.retries + 1):
+            try:
+                return fn(*args, **kwargs)
+            except _DEFINITE:
+                raise
+            except Exception as e:  # timeouts, refused or reset connections, 5xx: try again
+                if attempt == self.retries:
+                    raise StoreUnavailable(f"storage {self.url}: {what} failed after {attempt + 1} tries: "
+                                           f"{type(e).__name__}: {e}") from None
+                wait = self.backoff_s * 2 ** attempt
+                log.warning("storage %s: %s failed (%s: %s); retry %d/%d in %.1fs", self.url, what,
+                            type(e).__name__, e, attempt + 1, self.retries, wait)
+                time.sleep(wait)
+
     # -- paths -----------------------------------------------------------------------------------
     def path(self, *parts: str) -> str:
-        return "/".join([self.root, *parts])
+        """Absolute storage path of `parts` (relative, '/'-separated); refuses anything leaving the root."""
+        rel = "/".join(parts)
+        segs = rel.split("/")
+        if rel.startswith("/") or "\\" in rel or any(s in ("", ".", "..") for s in segs):
+            raise UnsafePath(f"storage path {rel!r} is not a plain relative path under {self.url}")
+        full = posixpath.normpath(posixpath.join(self.root, rel))
+        if not (full + "/").startswith(self.root.rstrip("/") + "/"):
+            raise UnsafePath(f"storage path {rel!r} leaves {self.url}")
+        return full
 
-    @staticmethod
-    def round_dir(run: str, r: int) -> str:
-        return f"runs/{run}/rounds/{r:06d}"
+    def exists(self, rel: str) -> bool:
+        return self._io(f"exists {rel}", self.fs.exists, self.path(rel))
 
-    def global_dir(self, run: str, r: int) -> str:
-        return f"{self.round_dir(run, r)}/global"
+    def read_bytes(self, rel: str) -> bytes:
+        return self._io(f"read {rel}", self.fs.cat_file, self.path(rel))
 
-    def node_dir(self, run: str, r: int, node: int) -> str:
-        return f"{self.round_dir(run, r)}/nodes/{node:03d}"
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        self._io(f"write {rel}", self.fs.pipe_file, self.path(rel), data)
+
+    def create_exclusive(self, rel: str, data: bytes) -> None:
+        """Write `rel` only if it does not exist (FileExistsError otherwise): local O_EXCL, S3 If-None-Match.
+        A retried create that finds its own bytes there (the first try landed) counts as done."""
+        p = self.path(rel)
+        self._io(f"makedirs {posixpath.dirname(rel)}", self.fs.makedirs, posixpath.dirname(p), exist_ok=True)
+        for attempt in range(self.retries + 1):
+            try:
+                with self.fs.open(p, "xb") as f:
+                    f.write(data)
+                return
+            except FileExistsError:
+                if attempt > 0 and self._io(f"read {rel}", self.fs.cat_file, p) == data:
+                    return
+                raise
+            except _DEFINITE:
+                raise
+            except Exception as e:
+                if attempt == self.retries:
+                    raise StoreUnavailable(f"storage {self.url}: create {rel} failed: {type(e).__name__}: {e}") from None
+                log.warning("storage %s: create %s failed (%s); retry %d/%d", self.url, rel, e, attempt + 1,
+                            self.retries)
+                time.sleep(self.backoff_s * 2 ** attempt)
+
+    def list_names(self, rel: str) -> list[str]:
+        """Names directly under `rel` ([] if it does not exist)."""
+        p = self.path(rel)
+        try:
+            entries = self._io(f"list {rel}", self.fs.ls, p, detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != p)
+
+    def remove(self, rel: str) -> None:
+        p = self.path(rel)
+        if self.exists(rel):
+            self._io(f"remove {rel}", self.fs.rm, p, recursive=True)
+
+    def move(self, src: str, dst: str) -> None:
+        self._io(f"move {src}", self.fs.mv, self.path(src), self.path(dst), recursive=True)
+
+    def size_of(self, rel: str) -> int:
+        """Bytes stored under `rel` (all files below it)."""
+        p = self.path(rel)
+        if not self.exists(rel):
+            return 0
+        sizes = self._io(f"du {rel}", self.fs.du, p, total=False)
+        return int(sum(sizes.values())) if isinstance(sizes, dict) else int(sizes)
 
     # -- bundles ---------------------------------------------------------------------------------
     def is_committed(self, rel: str) -> bool:
-        return self.fs.exists(self.path(rel, "COMMIT"))
+        return self.exists(f"{rel}/COMMIT")
 
     def write_bundle(self, rel: str, files: dict[str, dict[str, torch.Tensor]], meta: dict[str, Any]) -> dict:
-        """Write files, then the manifest, then COMMIT (exclusive). A leftover uncommitted attempt is replaced."""
-        d = self._start_bundle(rel)
+        """Write safetensors files, then the manifest, then COMMIT (exclusive). A leftover uncommitted
+        attempt is replaced."""
+        self._start_bundle(rel)
         entries = {}
         for fname, tensors in files.items():
             blob = st_save({k: v.contiguous() for k, v in tensors.items()})
-            self.fs.pipe_file(f"{d}/{fname}", blob)
-            entries[fname] = {"sha256": _sha256(blob), "bytes": len(blob),
+            self.write_bytes(f"{rel}/{fname}", blob)
+            entries[fname] = {"sha256": sha256_bytes(blob), "bytes": len(blob),
                               "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
                                           for k, v in tensors.items()}}
         return self._commit(rel, entries, meta)
 
-    def _start_bundle(self, rel: str) -> str:
+    def _start_bundle(self, rel: str) -> None:
         if self.is_committed(rel):
             raise AlreadyCommitted(f"{self.url}/{rel} is already committed")
-        d = self.path(rel)
-        if self.fs.exists(d):
-            self.fs.rm(d, recursive=True)  # a crashed earlier attempt; never committed, so never read
-        self.fs.makedirs(d, exist_ok=True)
-        return d
+        self.remove(rel)  # a crashed earlier attempt; never committed, so never read
+        self._io(f"makedirs {rel}", self.fs.makedirs, self.path(rel), exist_ok=True)
 
     def _commit(self, rel: str, entries: dict, meta: dict[str, Any]) -> dict:
         manifest = {"format": FORMAT, "files": entries, "meta": meta, "written_at": time.time()}
         mbytes = json.dumps(manifest, indent=1, sort_keys=True).encode()
-        d = self.path(rel)
-        self.fs.pipe_file(f"{d}/manifest.json", mbytes)
+        self.write_bytes(f"{rel}/manifest.json", mbytes)
         try:
-            with self.fs.open(f"{d}/COMMIT", "xb") as f:
-                f.write(_sha256(mbytes).encode())
+            self.create_exclusive(f"{rel}/COMMIT", sha256_bytes(mbytes).encode())
         except FileExistsError:
             raise AlreadyCommitted(f"{self.url}/{rel} was committed concurrently by another writer") from None
         return manifest
 
+    def read_manifest(self, rel: str) -> dict:
+        try:
+            want = self.read_bytes(f"{rel}/COMMIT").decode().strip()
+        except FileNotFoundError:
+            raise NotCommitted(f"{self.url}/{rel} is not committed") from None
+        try:
+            mbytes = self.read_bytes(f"{rel}/manifest.json")
+        except FileNotFoundError:
+            raise IntegrityError(f"{self.url}/{rel}/manifest.json is missing") from None
+        if sha256_bytes(mbytes) != want:
+            raise IntegrityError(f"{self.url}/{rel}/manifest.json does not match its COMMIT checksum")
+        manifest = json.loads(mbytes)
+        if manifest.get("format") != FORMAT:
+            raise IntegrityError(f"{self.url}/{rel}/manifest.json: unknown format {manifest.get('format')!r}")
+        return manifest
+
+    def read_verified(self, rel: str, fname: str, entry: dict) -> bytes:
+        """One file of a bundle, checked against its manifest entry (size and sha256)."""
+        try:
+            blob = self.read_bytes(f"{rel}/{fname}")
+        except FileNotFoundError:
+            raise IntegrityError(f"{self.url}/{rel}/{fname} is missing") from None
+        if len(blob) != entry["bytes"] or sha256_bytes(blob) != entry["sha256"]:
+            raise IntegrityError(f"{self.url}/{rel}/{fname}: sha256/size mismatch "
+                                 f"({len(blob)} bytes, manifest says {entry['bytes']}); not loaded")
+        return blob
+
+    def read_bundle(self, rel: str, only: Optional[list[str]] = None) -> Bundle:
+        manifest = self.read_manifest(rel)
+        files = {}
+        for fname, entry in manifest["files"].items():
+            if only is not None and fname not in only:
+                continue
+            if entry.get("raw"):
+                raise IntegrityError(f"{self.url}/{rel}/{fname} is a raw file, not safetensors")
+            tensors = st_load(self.read_verified(rel, fname, entry))
+            declared = entry["tensors"]
+            if set(tensors) != set(declared) or any(list(tensors[k].shape) != declared[k]["shape"] for k in tensors):
+                raise IntegrityError(f"{self.url}/{rel}/{fname}: tensors differ from the manifest")
+            files[fname] = tensors
+        return Bundle(manifest, files)
+
     # -- raw-file bundles (token shards, tokenizer.json): streamed, never parsed by the store ------------
     def write_file_bundle(self, rel: str, local_files: dict[str, str], meta: dict[str, Any]) -> dict:
         """Upload local files as they are (chunked, hashed on the way), then manifest, then COMMIT."""
-        d = self._start_bundle(rel)
+        self._start_bundle(rel)
         entries = {}
         for fname, local in local_files.items():
-            h = hashlib.sha256()
-            with open(local, "rb") as src, self.fs.open(f"{d}/{fname}", "wb") as dst:
-                for chunk in iter(lambda: src.read(_CHUNK), b""):
-                    h.update(chunk)
-                    dst.write(chunk)
-            entries[fname] = {"sha256": h.hexdigest(), "bytes": os.path.getsize(local), "raw": True}
+            def upload(local=local, fname=fname):
+                h = hashlib.sha256()
+                with open(local, "rb") as src, self.fs.open(self.path(rel, fname), "wb") as dst:
+                    for chunk in iter(lambda: src.read(_CHUNK), b""):
+                        h.update(chunk)
+                        dst.write(chunk)
+                return h.hexdigest()
+
+            entries[fname] = {"sha256": self._io(f"upload {rel}/{fname}", upload), "bytes": os.path.getsize(local),
+                              "raw": True}
         return self._commit(rel, entries, meta)
 
     def fetch_file_bundle(self, rel: str, dest: str) -> dict:
@@ -152,16 +291,22 @@ class Store:
             if os.path.basename(fname) != fname or fname in ("COMPLETE", "manifest.json"):
                 raise IntegrityError(f"{self.url}/{rel}: refusing file name {fname!r}")
             # a unique partial name: two nodes on one machine may fetch the same bundle at once
-            part, h, n = os.path.join(dest, f"{fname}.{uuid.uuid4().hex[:8]}.part"), hashlib.sha256(), 0
-            try:
+            part = os.path.join(dest, f"{fname}.{uuid.uuid4().hex[:8]}.part")
+
+            def download():
+                h, n = hashlib.sha256(), 0
                 with self.fs.open(self.path(rel, fname), "rb") as src, open(part, "wb") as dst:
                     for chunk in iter(lambda: src.read(_CHUNK), b""):
                         h.update(chunk)
                         n += len(chunk)
                         dst.write(chunk)
+                return h.hexdigest(), n
+
+            try:
+                digest, n = self._io(f"download {rel}/{fname}", download)
             except FileNotFoundError:
                 raise IntegrityError(f"{self.url}/{rel}/{fname} is missing") from None
-            if n != entry["bytes"] or h.hexdigest() != entry["sha256"]:
+            if n != entry["bytes"] or digest != entry["sha256"]:
                 os.remove(part)
                 raise IntegrityError(f"{self.url}/{rel}/{fname}: sha256/size mismatch ({n} bytes, manifest says "
                                      f"{entry['bytes']}); not used")
@@ -169,112 +314,3 @@ class Store:
         with open(os.path.join(dest, "COMPLETE"), "w") as f:
             json.dump(manifest, f)
         return manifest
-
-    def read_manifest(self, rel: str) -> dict:
-        d = self.path(rel)
-        if not self.fs.exists(f"{d}/COMMIT"):
-            raise NotCommitted(f"{self.url}/{rel} is not committed")
-        want = self.fs.cat_file(f"{d}/COMMIT").decode().strip()
-        try:
-            mbytes = self.fs.cat_file(f"{d}/manifest.json")
-        except FileNotFoundError:
-            raise IntegrityError(f"{self.url}/{rel}/manifest.json is missing") from None
-        if _sha256(mbytes) != want:
-            raise IntegrityError(f"{self.url}/{rel}/manifest.json does not match its COMMIT checksum")
-        manifest = json.loads(mbytes)
-        if manifest.get("format") != FORMAT:
-            raise IntegrityError(f"{self.url}/{rel}/manifest.json: unknown format {manifest.get('format')!r}")
-        return manifest
-
-    def read_bundle(self, rel: str, only: Optional[list[str]] = None) -> Bundle:
-        manifest = self.read_manifest(rel)
-        files = {}
-        for fname, entry in manifest["files"].items():
-            if only is not None and fname not in only:
-                continue
-            if entry.get("raw"):
-                raise IntegrityError(f"{self.url}/{rel}/{fname} is a raw file, not safetensors")
-            p = self.path(rel, fname)
-            try:
-                blob = self.fs.cat_file(p)
-            except FileNotFoundError:
-                raise IntegrityError(f"{self.url}/{rel}/{fname} is missing") from None
-            if len(blob) != entry["bytes"] or _sha256(blob) != entry["sha256"]:
-                raise IntegrityError(f"{self.url}/{rel}/{fname}: sha256/size mismatch "
-                                     f"({len(blob)} bytes, manifest says {entry['bytes']}); not loaded")
-            tensors = st_load(blob)
-            declared = entry["tensors"]
-            if set(tensors) != set(declared) or any(list(tensors[k].shape) != declared[k]["shape"] for k in tensors):
-                raise IntegrityError(f"{self.url}/{rel}/{fname}: tensors differ from the manifest")
-            files[fname] = tensors
-        return Bundle(manifest, files)
-
-    # -- rounds ----------------------------------------------------------------------------------
-    def committed_rounds(self, run: str) -> list[int]:
-        base = self.path(f"runs/{run}/rounds")
-        if not self.fs.exists(base):
-            return []
-        out = []
-        for p in self.fs.ls(base, detail=False):
-            name = p.rstrip("/").rsplit("/", 1)[-1]
-            if name.isdigit() and self.is_committed(self.global_dir(run, int(name))):
-                out.append(int(name))
-        return sorted(out)
-
-    def latest_round(self, run: str) -> Optional[int]:
-        rounds = self.committed_rounds(run)
-        return rounds[-1] if rounds else None
-
-    def supersede_after(self, run: str, r: int) -> list[int]:
-        """Move rounds > r aside (runs/<run>/superseded/<stamp>/...) so a resume from r can rewrite them."""
-        base = self.path(f"runs/{run}/rounds")
-        if not self.fs.exists(base):
-            return []
-        stamp = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
-        moved = []
-        for p in self.fs.ls(base, detail=False):
-            name = p.rstrip("/").rsplit("/", 1)[-1]
-            if name.isdigit() and int(name) > r:
-                self.fs.mv(p, self.path(f"runs/{run}/superseded/{stamp}/{name}"), recursive=True)
-                moved.append(int(name))
-        return sorted(moved)
-
-    # -- one writer per run ------------------------------------------------------------------------
-    def acquire_lock(self, run: str, ttl_s: float, owner: Optional[str] = None) -> str:
-        owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        p = self.path(f"runs/{run}/LOCK.json")
-        self.fs.makedirs(self.path(f"runs/{run}"), exist_ok=True)
-        for _ in range(2):
-            body = json.dumps({"owner": owner, "expires_at": time.time() + ttl_s}).encode()
-            try:
-                with self.fs.open(p, "xb") as f:
-                    f.write(body)
-                return owner
-            except FileExistsError:
-                try:
-                    held = json.loads(self.fs.cat_file(p))
-                except (FileNotFoundError, ValueError):
-                    continue
-                if held.get("expires_at", 0) > time.time():
-                    raise RunLocked(
-                        f"run {run!r} on {self.url} is being written by {held.get('owner')} (lease until "
-                        f"{time.strftime('%H:%M:%S', time.localtime(held['expires_at']))}); wait for it to finish "
-                        "or let its lease expire") from None
-                self.fs.rm(p)  # expired lease: its holder died
-        raise RunLocked(f"could not acquire the lock of run {run!r} on {self.url}")
-
-    def refresh_lock(self, run: str, owner: str, ttl_s: float) -> None:
-        p = self.path(f"runs/{run}/LOCK.json")
-        held = json.loads(self.fs.cat_file(p))
-        if held.get("owner") != owner:
-            raise RunLocked(f"lost the lock of run {run!r} to {held.get('owner')}")
-        self.fs.pipe_file(p, json.dumps({"owner": owner, "expires_at": time.time() + ttl_s}).encode())
-
-    def release_lock(self, run: str, owner: str) -> None:
-        p = self.path(f"runs/{run}/LOCK.json")
-        try:
-            held = json.loads(self.fs.cat_file(p))
-        except FileNotFoundError:
-            return
-        if held.get("owner") == owner:
-            self.fs.rm(p)

@@ -1,6 +1,6 @@
 """Token shards on shared storage, for nodes on other machines.
 
-The orchestrator publishes its tokenized data once per content (`data/tokens/<key>`, key = a hash of the
+The orchestrator publishes its tokenized data once per content (`tokens_dir(key)`, key = a hash of the
 files); a node fetches it into its local cache, each file verified against the manifest's sha256, and
 memory-maps it from there. Later rounds and runs with the same data reuse the cached copy.
 """
@@ -10,6 +10,7 @@ import hashlib
 import os
 
 from spes.data import DataError, TokenData
+from spes.runs.layout import tokens_dir
 from spes.store import AlreadyCommitted, Store
 
 TOKEN_FILES = ("meta.json", "train.bin", "val.bin", "tokenizer.json")
@@ -39,17 +40,13 @@ def tokens_key(folder: str) -> str:
     return h.hexdigest()[:20]
 
 
-def tokens_rel(key: str) -> str:
-    return f"data/tokens/{key}"
-
-
 def publish_tokens(store: Store, folder: str) -> str:
     """Upload the token folder unless storage already holds the same content; returns its key."""
     TokenData.open(folder)  # refuse to share a truncated or inconsistent folder
     key = tokens_key(folder)
-    if not store.is_committed(tokens_rel(key)):
+    if not store.is_committed(tokens_dir(key)):
         try:
-            store.write_file_bundle(tokens_rel(key), _token_files(folder), {"kind": "tokens", "key": key})
+            store.write_file_bundle(tokens_dir(key), _token_files(folder), {"kind": "tokens", "key": key})
         except AlreadyCommitted:
             pass  # another orchestrator published the same content meanwhile
     return key
@@ -59,5 +56,5 @@ def fetch_tokens(store: Store, key: str, cache_dir: str) -> TokenData:
     """The shared token data `key`, from the local cache or downloaded (verified) into it."""
     dest = os.path.join(os.path.expanduser(cache_dir), "tokens", key)
     if not os.path.exists(os.path.join(dest, "COMPLETE")):
-        store.fetch_file_bundle(tokens_rel(key), dest)
+        store.fetch_file_bundle(tokens_dir(key), dest)
     return TokenData.open(dest)

@@ -14,11 +14,12 @@ from typing import Iterable, Optional
 
 import torch
 
-from spes.config import OptimConfig
+from spes.config import OptimConfig, SpesConfig
 from spes.devices import autocast
 from spes.losses import decayed_lb_factor
 from spes.model import CausalLM, ModelOutput
 from spes.moe import MoE
+from spes.ownership import ownership_for
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -32,11 +33,8 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
 
 @dataclass
 class StepMetrics:
-    """0-dim tensors on the model's device (reading one with float() waits for the step to finish)."""
-    loss: torch.Tensor
+    """What a step reports; `ce` is a 0-dim tensor on the model's device (float() on it waits for the step)."""
     ce: torch.Tensor
-    lb: Optional[torch.Tensor]
-    z: Optional[torch.Tensor]
     tokens: int
     expert_counts_LE: Optional[torch.Tensor]
 
@@ -82,9 +80,7 @@ class NodeTrainer:
         if self.cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_([p for _, p in self.trainable_named_parameters()], self.cfg.grad_clip)
         self.optimizer.step()
-        detach = lambda t: None if t is None else t.detach()  # noqa: E731
-        return StepMetrics(out.loss.detach(), out.ce.detach(), detach(out.lb), detach(out.z), input_ids_BS.numel(),
-                           out.expert_counts_LE)
+        return StepMetrics(out.ce.detach(), input_ids_BS.numel(), out.expert_counts_LE)
 
     # -- what goes up at a sync: shared params + owned expert rows (canonical names) ----------------
     @torch.no_grad()
@@ -127,3 +123,14 @@ class NodeTrainer:
                 "exp_avg": tensors[f"{name}::exp_avg"].to(device=p.device, dtype=p.dtype, copy=True),
                 "exp_avg_sq": tensors[f"{name}::exp_avg_sq"].to(device=p.device, dtype=p.dtype, copy=True),
             }
+
+
+FROZEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def build_node_trainer(s: SpesConfig, model: CausalLM, node: int) -> NodeTrainer:
+    """The trainer of node `node` under the run's settings: its own experts (by `spes.ownership` or contiguous
+    blocks; every expert for the baselines) trainable, the others frozen in `spes.frozen_dtype`."""
+    cfg = model.cfg
+    own = ownership_for(s.method, cfg.num_experts, s.num_nodes, s.ownership).owned(node) if cfg.is_moe else ()
+    return NodeTrainer(model, own, s.optim, s.total_steps, FROZEN_DTYPES[s.frozen_dtype], s.decayed_lb, s.autocast)

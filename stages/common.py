@@ -6,7 +6,8 @@ import json
 import os
 import sys
 
-from spes.config import ConfigError, Params, load_params
+from spes.config import ConfigError, Params
+from spes.params import load_params
 
 
 def parse(description: str) -> tuple[argparse.Namespace, Params]:

@@ -11,6 +11,9 @@ import time
 
 from stages.common import out_dir, parse, write_json
 
+DENSE_STREAM = 10_000
+"""The dense run's data stream id: apart from the SPES nodes' streams (0..num_nodes-1)."""
+
 
 def main() -> None:
     _, p = parse(__doc__)
@@ -23,20 +26,20 @@ def main() -> None:
         return
     import torch
 
-    from spes.data import BatchStream, TokenData
+    from spes.data import BatchStream, TokenData, check_vocab
     from spes.devices import resolve_device
     from spes.evaluation import heldout_loss
     from spes.hf import export_hf
-    from spes.model import CausalLM
     from spes.trainer import NodeTrainer
 
     torch.manual_seed(p.dense.seed)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    data = TokenData.open(os.path.join(p.artifacts_dir, "tokens"))
-    cfg = dataclasses.replace(p.model, num_experts=0)
-    model = CausalLM(cfg).to(resolve_device(p.orchestration.device))
+    tokens = os.path.join(p.artifacts_dir, "tokens")
+    data = TokenData.open(tokens)
+    check_vocab(p.model.vocab_size, data, tokens)
+    model = dataclasses.replace(p.model, num_experts=0).build().to(resolve_device(p.orchestration.device))
     trainer = NodeTrainer(model, (), p.dense.optim, p.dense.steps, autocast_dtype=p.spes.autocast)
-    stream = BatchStream(data.train, p.dense.batch_size, p.dense.seq_len, p.dense.seed, node=10_000)
+    stream = BatchStream(data.train, p.dense.batch_size, p.dense.seq_len, p.dense.seed, node=DENSE_STREAM)
     e = p.eval
     before = heldout_loss(model, data.val, e.batch_size, e.seq_len, e.batches)["loss"]
     t0 = time.time()

@@ -7,6 +7,9 @@ import os
 
 from stages.common import out_dir, parse, write_json
 
+UNTRAINED_SEED_OFFSET = 1
+"""The untrained reference model is a fresh init with seed init.seed + 1, not the run's own init."""
+
 
 def main() -> None:
     _, p = parse(__doc__)
@@ -16,16 +19,16 @@ def main() -> None:
     from spes.devices import resolve_device
     from spes.evaluation import heldout_loss, run_lm_eval
     from spes.hf import export_hf, to_hf
-    from spes.model import CausalLM
     from spes.rounds import load_global
+    from spes.runs import Run
     from spes.store import Store
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     d = out_dir(p, "eval")
     e, run = p.eval, p.orchestration.run_name
     data = TokenData.open(os.path.join(p.artifacts_dir, "tokens"))
-    store = Store(p.storage.url, p.storage.options)
-    rounds = store.committed_rounds(run)
+    store = Store.from_config(p.storage)
+    rounds = Run(store, run).committed_rounds()
     if not rounds:
         raise SystemExit(f"evaluate: run {run!r} has no committed rounds on {store.url}")
     device = resolve_device(p.orchestration.device)
@@ -37,8 +40,8 @@ def main() -> None:
         per_round.append({"round": r, "step": manifest["meta"]["step"], "heldout_loss": ev["loss"]})
         for node, loss in manifest["meta"].get("node_loss", {}).items():
             node_rows.append({"round": r, "node": int(node), "train_loss": loss})
-    torch.manual_seed(p.init.seed + 1)
-    untrained = heldout_loss(CausalLM(model.cfg).to(device), data.val, e.batch_size, e.seq_len, e.batches)["loss"]
+    torch.manual_seed(p.init.seed + UNTRAINED_SEED_OFFSET)
+    untrained = heldout_loss(model.cfg.build().to(device), data.val, e.batch_size, e.seq_len, e.batches)["loss"]
     final = heldout_loss(model, data.val, e.batch_size, e.seq_len, e.batches)
     model.to("cpu")
 

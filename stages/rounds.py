@@ -20,7 +20,8 @@ def main() -> None:
     a, p = parse(__doc__)
     prefect_env_defaults()
     from pipelines.node_pool import POOL
-    from pipelines.training import round_records, spes_training
+    from pipelines.training import spes_training
+    from spes.runs import Run
     from spes.store import Store
 
     if p.orchestration.executor == "process":
@@ -32,7 +33,7 @@ def main() -> None:
                         on_mismatch="restart" if stage == "warmup" else "error")
     # the stage's rounds as committed on storage, whether run now or by an earlier (resumed) invocation
     first, last = (1, p.spes.warmup_rounds) if stage == "warmup" else (p.spes.warmup_rounds + 1, p.spes.rounds)
-    rounds = round_records(Store(p.storage.url, p.storage.options), out["run"], first, last)
+    rounds = Run(Store.from_config(p.storage), out["run"]).records(first, last)
     summary = {"run": out["run"], "latest_committed": out["latest_committed"], "rounds": rounds,
                "rounds_run_now": [r["round"] for r in out["rounds"]]}
     walls = [r["wall_s"] for r in rounds]

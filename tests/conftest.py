@@ -1,10 +1,44 @@
+"""Shared fixtures: one tiny model config, one tiny tokenized corpus per session, a real Prefect server."""
+import glob
 import os
 import sys
+import sysconfig
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+SHARED = os.path.join(os.path.dirname(ROOT), "shared")
+
+from spes.config import ModelConfig  # noqa: E402
+
+TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=16, num_layers=2, num_heads=4, num_kv_heads=2,
+            num_experts=4, top_k=2, max_seq_len=64)
+
+
+def tiny_config(**changes) -> ModelConfig:
+    """The tiny MoE every unit test uses (4 experts, top-2, 2 layers, GQA), with `changes` applied."""
+    return ModelConfig(**{**TINY, **changes})
+
+
+@pytest.fixture
+def tiny():
+    return tiny_config
+
+
+def json_sources() -> list[str]:
+    """Real text on every machine: the stdlib json package's source."""
+    return sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokens(tmp_path_factory) -> str:
+    """One tokenized corpus for the session (BPE of 512 over the stdlib json sources, 20% held out)."""
+    from spes.tokenization import load_corpus, tokenize_corpus
+
+    d = tmp_path_factory.mktemp("tokens") / "tokens"
+    tokenize_corpus(list(load_corpus(json_sources())), str(d), 512, None, 0.2, 0)
+    return str(d)
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,8 @@ import urllib.request
 
 import pytest
 
-from spes.config import load_params
+from spes.params import load_params
+from spes.runs import Run
 from spes.store import Store
 from tests.pipelines.tiny_project import assert_same, final_weights, init_run, make_project
 
@@ -51,10 +52,10 @@ def _wait_for(what: str, check, timeout_s: float, procs) -> None:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, tiny_tokens):
     """Prefect server + served training and node deployments, all on loopback, in their own process groups."""
     root = tmp_path_factory.mktemp("deploy")
-    make_project(root)
+    make_project(root, tiny_tokens)
     api = f"http://127.0.0.1:{_free_port()}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(root / "prefect_home"), PREFECT_API_URL=api, PYTHONPATH=ROOT,
@@ -109,7 +110,8 @@ def test_deployment_runs_and_resumes_from_any_round(served):
     init_run(pfile, "dep")
     _ok(deployment_run(served, "run_name=dep", "stage=warmup"), served)
     store = Store(load_params(pfile).storage.url)
-    assert store.committed_rounds("dep") == [0, 1, 2]
+    run = Run(store, "dep")
+    assert run.committed_rounds() == [0, 1, 2]
 
     # the rest of the run, each node as a `spes-node` deployment run (the executor for GPU machines),
     # reading the token shards that the training flow published to shared storage
@@ -117,14 +119,14 @@ def test_deployment_runs_and_resumes_from_any_round(served):
     _ok(deployment_run(served, "run_name=dep", "resume_round=latest",
                        f'overrides=["orchestration.executor=deployment", "orchestration.node_cache_dir={cache}"]'),
         served)
-    assert store.committed_rounds("dep") == [0, 1, 2, 3]
+    assert run.committed_rounds() == [0, 1, 2, 3]
     via_node_deployments = final_weights(pfile, "dep")
     (key,) = os.listdir(root / "storage/data/tokens")
     assert store.is_committed(f"data/tokens/{key}") and (cache / "tokens" / key / "COMPLETE").exists()
 
     # resume from round 1: rounds 2-3 are set aside and recomputed (node processes) bit for bit
     _ok(deployment_run(served, "run_name=dep", "resume_round=1"), served)
-    assert store.committed_rounds("dep") == [0, 1, 2, 3]
+    assert run.committed_rounds() == [0, 1, 2, 3]
     assert_same(final_weights(pfile, "dep"), via_node_deployments)
     for r in ("000002", "000003"):  # the earlier rounds 2-3 are kept aside, not deleted
         assert glob.glob(str(root / f"storage/runs/dep/superseded/*/{r}"))
@@ -151,7 +153,7 @@ def test_straggler_node_deployment_is_cancelled_and_left_out(served):
                  f"orchestration.node_cache_dir={root / 'node-cache'}"]
     _ok(deployment_run(served, "run_name=dep-slow", "stage=warmup", f"overrides={json.dumps(overrides)}"), served)
     store = Store(load_params(pfile).storage.url)
-    meta = [store.read_manifest(store.global_dir("dep-slow", r))["meta"] for r in (1, 2)]
+    meta = [store.read_manifest(f"runs/dep-slow/rounds/{r:06d}/global")["meta"] for r in (1, 2)]
     assert (meta[0]["contributors"], meta[0]["missing"]) == ([0], [1])
     assert meta[1]["contributors"] == [0, 1]  # back in the next round
     deadline = time.time() + 90
@@ -161,4 +163,4 @@ def test_straggler_node_deployment_is_cancelled_and_left_out(served):
             break
         time.sleep(2)
     assert states.get("dep-slow-node-1-round-1") == "CANCELLED", states
-    assert not store.is_committed(store.node_dir("dep-slow", 1, 1))  # it never finished its round
+    assert not store.is_committed("runs/dep-slow/rounds/000001/nodes/001")  # it never finished its round

@@ -1,16 +1,13 @@
-"""A tiny SPES project on disk (stdlib json sources as corpus, 4 experts, 2 nodes) shared by the flow tests."""
-import glob
-import os
-import sysconfig
+"""A tiny SPES project on disk (the session's tiny tokens, 4 experts, 2 nodes) shared by the flow tests."""
+import shutil
 
 import torch
 import yaml
 
-from spes.config import load_params
-from spes.model import CausalLM
-from spes.rounds import commit_initial, load_global
+from spes.params import load_params
+from spes.rounds import load_global
+from spes.runs import InitModel, Run, settings_fingerprint
 from spes.store import Store
-from spes.tokenization import load_corpus, tokenize_corpus
 
 PARAMS = {
     "model": {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 32, "num_layers": 2, "num_heads": 4,
@@ -20,25 +17,26 @@ PARAMS = {
     "orchestration": {"round_timeout_s": 300, "node_retries": 2},
     "dense": {"seq_len": 32}, "eval": {"seq_len": 32, "batches": 2, "batch_size": 2},
 }
+INIT_SEED = 0
 
 
-def make_project(root) -> None:
-    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")))
-    tokenize_corpus(list(load_corpus(files)), str(root / "artifacts" / "tokens"), 512, None, 0.2, 0)
+def make_project(root, tokens: str) -> None:
+    shutil.copytree(tokens, root / "artifacts" / "tokens")
     p = dict(PARAMS, artifacts_dir=str(root / "artifacts"), storage={"url": str(root / "storage")})
     (root / "params.yaml").write_text(yaml.safe_dump(p))
 
 
-def init_run(pfile, run) -> None:
+def init_run(pfile, run, overrides=()) -> None:
     """Round 0 of `run`: a seeded from-scratch model, the same for every run."""
-    p = load_params(pfile)
-    torch.manual_seed(0)
-    commit_initial(Store(p.storage.url, p.storage.options), run, CausalLM(p.model), "scratch")
+    p = load_params(pfile, list(overrides))
+    torch.manual_seed(INIT_SEED)
+    init = InitModel.from_state(p.model.build().canonical_state_dict(), p.model, "scratch")
+    Run(Store.from_config(p.storage), run).ensure(settings_fingerprint(p), init)
 
 
 def final_weights(pfile, run, r=3):
     p = load_params(pfile)
-    return load_global(Store(p.storage.url, p.storage.options), run, r)[0].canonical_state_dict()
+    return load_global(Store.from_config(p.storage), run, r)[0].canonical_state_dict()
 
 
 def assert_same(a, b) -> None:

@@ -1,9 +1,11 @@
+"""The bundle format: commit marker, verification of every byte, safe paths, bounded retried calls."""
 import json
+import logging
 
 import pytest
 import torch
 
-from spes.store import AlreadyCommitted, IntegrityError, NotCommitted, RunLocked, Store
+from spes.store import AlreadyCommitted, IntegrityError, NotCommitted, Store, StoreUnavailable, UnsafePath
 
 
 def test_bundle_roundtrip_and_commit(tmp_path):
@@ -19,16 +21,16 @@ def test_bundle_roundtrip_and_commit(tmp_path):
 
 def test_uncommitted_bundle_is_invisible_and_replaced(tmp_path):
     s = Store(str(tmp_path))
-    s.write_bundle("runs/r/rounds/000001/global", {"model.safetensors": {"w": torch.zeros(1)}}, {})
-    (tmp_path / "runs/r/rounds/000001/global/COMMIT").unlink()  # as if killed before the commit marker
+    s.write_bundle("y", {"model.safetensors": {"w": torch.zeros(1)}}, {})
+    (tmp_path / "y/COMMIT").unlink()  # as if killed before the commit marker
     with pytest.raises(NotCommitted):
-        s.read_bundle("runs/r/rounds/000001/global")
-    assert s.committed_rounds("r") == []
-    s.write_bundle("runs/r/rounds/000001/global", {"model.safetensors": {"w": torch.ones(1)}}, {})
-    assert s.committed_rounds("r") == [1]
+        s.read_bundle("y")
+    assert not s.is_committed("y")
+    s.write_bundle("y", {"model.safetensors": {"w": torch.ones(1)}}, {})
+    assert s.read_bundle("y").files["model.safetensors"]["w"].item() == 1.0
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "manifest"])
+@pytest.mark.parametrize("damage", ["truncate", "flip", "manifest", "missing"])
 def test_corruption_is_caught_and_names_the_file(tmp_path, damage):
     s = Store(str(tmp_path))
     s.write_bundle("x", {"f.safetensors": {"w": torch.randn(64)}}, {})
@@ -38,19 +40,52 @@ def test_corruption_is_caught_and_names_the_file(tmp_path, damage):
         f.write_bytes(blob[:-10])
     elif damage == "flip":
         f.write_bytes(blob[:-1] + bytes([blob[-1] ^ 1]))
+    elif damage == "missing":
+        f.unlink()
     else:
         m = json.loads((tmp_path / "x" / "manifest.json").read_text())
         m["meta"] = {"evil": 1}
         (tmp_path / "x" / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(IntegrityError, match="manifest.json" if damage == "manifest" else "f.safetensors"):
+    with pytest.raises(IntegrityError, match="manifest.json" if damage == "manifest" else "x/f.safetensors"):
         s.read_bundle("x")
 
 
-def test_one_writer_per_run(tmp_path):
+@pytest.mark.parametrize("rel", ["../x", "a/../../b", "/etc/passwd", "a//b", "./a", "a/..", "a\\b"])
+def test_paths_never_leave_the_root(tmp_path, rel):
+    s = Store(str(tmp_path / "root"))
+    with pytest.raises(UnsafePath):
+        s.write_bytes(rel, b"x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["root"]
+
+
+def test_exclusive_create_and_listing(tmp_path):
     s = Store(str(tmp_path))
-    owner = s.acquire_lock("r", ttl_s=60)
-    with pytest.raises(RunLocked, match="being written by"):
-        Store(str(tmp_path)).acquire_lock("r", ttl_s=60)
-    s.release_lock("r", owner)
-    o2 = s.acquire_lock("r", ttl_s=-1)  # an expired lease (dead holder) can be taken over
-    assert s.acquire_lock("r", ttl_s=60) != o2
+    s.create_exclusive("d/a.json", b"1")
+    with pytest.raises(FileExistsError):
+        s.create_exclusive("d/a.json", b"2")
+    s.write_bytes("d/b.json", b"3")
+    assert s.list_names("d") == ["a.json", "b.json"] and s.list_names("nothing") == []
+    assert s.read_bytes("d/a.json") == b"1" and s.size_of("d") == 2
+
+
+def test_transient_errors_are_retried_and_logged_then_fail_clearly(tmp_path, caplog, monkeypatch):
+    s = Store(str(tmp_path), retries=2, backoff_s=0.01)
+    s.write_bytes("f", b"payload")
+    real, calls = s.fs.cat_file, []
+
+    def flaky(path, *a, **kw):
+        calls.append(path)
+        if len(calls) <= 2:
+            raise ConnectionResetError("connection reset by peer")
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(s.fs, "cat_file", flaky)
+    with caplog.at_level(logging.WARNING, logger="spes.store"):
+        assert s.read_bytes("f") == b"payload"
+    assert len(calls) == 3 and [r.message for r in caplog.records if "retry" in r.message][1].count("retry 2/2")
+    monkeypatch.setattr(s.fs, "cat_file", lambda *a, **k: (_ for _ in ()).throw(TimeoutError("read timed out")))
+    with pytest.raises(StoreUnavailable, match=r"read f failed after 3 tries: TimeoutError: read timed out"):
+        s.read_bytes("f")
+    monkeypatch.setattr(s.fs, "cat_file", lambda *a, **k: (_ for _ in ()).throw(FileNotFoundError("f")))
+    with pytest.raises(FileNotFoundError):  # a definite answer is not retried
+        s.read_bytes("f")

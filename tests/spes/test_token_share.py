@@ -1,22 +1,17 @@
-import glob
 import os
-import sysconfig
 
 import numpy as np
 import pytest
 
 from spes.data import DataError, TokenData
+from spes.runs import tokens_dir
 from spes.store import IntegrityError, Store
-from spes.token_share import fetch_tokens, publish_tokens, tokens_rel
-from spes.tokenization import load_corpus, tokenize_corpus
+from spes.token_share import fetch_tokens, publish_tokens
 
 
-@pytest.fixture(scope="module")
-def tokens(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tok") / "tokens"
-    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")))
-    tokenize_corpus(list(load_corpus(files)), str(d), 300, None, 0.2, 0)
-    return str(d)
+@pytest.fixture
+def tokens(tiny_tokens):
+    return tiny_tokens
 
 
 def test_publish_then_fetch_gives_the_same_tokens(tokens, tmp_path):
@@ -30,7 +25,7 @@ def test_publish_then_fetch_gives_the_same_tokens(tokens, tmp_path):
     assert (got.vocab_size, got.eos_id) == (want.vocab_size, want.eos_id)
     assert sorted(os.listdir(tmp_path / "cache/tokens" / key)) == ["COMPLETE", "meta.json", "tokenizer.json",
                                                                     "train.bin", "val.bin"]
-    store.fs.rm(store.path(tokens_rel(key)), recursive=True)  # later rounds read the node's cache only
+    store.fs.rm(store.path(tokens_dir(key)), recursive=True)  # later rounds read the node's cache only
     assert np.array_equal(fetch_tokens(store, key, str(tmp_path / "cache")).train, want.train)
 
 
@@ -38,7 +33,7 @@ def test_publish_then_fetch_gives_the_same_tokens(tokens, tmp_path):
 def test_damaged_shard_on_storage_is_refused_and_not_cached(tokens, tmp_path, damage):
     store = Store(str(tmp_path / "shared"))
     key = publish_tokens(store, tokens)
-    f = tmp_path / "shared" / tokens_rel(key) / "train.bin"
+    f = tmp_path / "shared" / tokens_dir(key) / "train.bin"
     blob = f.read_bytes()
     f.write_bytes(blob[:-2] if damage == "truncate" else blob[:100] + bytes([blob[100] ^ 1]) + blob[101:])
     with pytest.raises(IntegrityError, match="train.bin: sha256/size mismatch"):
@@ -63,4 +58,4 @@ def test_raw_bundle_is_not_read_as_safetensors(tokens, tmp_path):
     store = Store(str(tmp_path / "shared"))
     key = publish_tokens(store, tokens)
     with pytest.raises(IntegrityError, match="raw file, not safetensors"):
-        store.read_bundle(tokens_rel(key))
+        store.read_bundle(tokens_dir(key))

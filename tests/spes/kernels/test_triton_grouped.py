@@ -15,11 +15,9 @@ if _saved is None:
 else:
     os.environ["TRITON_INTERPRET"] = _saved
 
-import spes.moe as moe  # noqa: E402
-from spes.model import CausalLM  # noqa: E402
-from spes.trainer import NodeTrainer  # noqa: E402
 from spes.config import OptimConfig  # noqa: E402
-from tests.spes.test_training_units import tiny  # noqa: E402
+from spes.trainer import NodeTrainer  # noqa: E402
+from tests.conftest import tiny_config  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -68,16 +66,15 @@ def test_frozen_weights_get_no_weight_grad():
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
 
 
-def test_spes_node_step_with_triton_experts_matches_loop(monkeypatch):
+def test_spes_node_step_with_triton_experts_matches_loop():
     """A node owning experts {1, 2} of 4 (three chunks: frozen, trainable, frozen), one training step."""
     torch.manual_seed(2)
-    base = CausalLM(tiny())
+    base = tiny_config().build()
     sd = {k: v.clone() for k, v in base.canonical_state_dict().items()}
-    x = torch.randint(0, 64, (2, 12))
+    x = torch.randint(0, 96, (2, 12))
     after = {}
     for impl in ("loop", "triton"):
-        monkeypatch.setattr(moe, "EXPERTS_IMPL", impl)
-        m = CausalLM(tiny())
+        m = tiny_config(experts_impl=impl).build()
         m.load_canonical_state_dict(sd)
         tr = NodeTrainer(m, [1, 2], OptimConfig(lr=1e-2, warmup_steps=1), 10)
         tr.train_step(x, x, 0)

@@ -1,0 +1,59 @@
+"""Fault injection for tests, parsed in one place: `SPES_FAULT_PLAN` (JSON) in the environment of a node
+process (`pipelines/node_worker.py`) or of a `spes-node` deployment worker (`pipelines/node_flow.py`):
+
+  {"kill": {"round": 2, "node": 1, "after_step": 3}}   SIGKILL once (a marker file makes it fire once)
+  {"slow": {"round": 2, "node": 1, "seconds": 5}}        sleep before every step (a straggler)
+
+each optionally limited to one run with "run": "<name>".
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import tempfile
+import time
+from typing import Callable, Optional
+
+ENV = "SPES_FAULT_PLAN"
+
+
+class FaultPlan:
+    def __init__(self, plan: dict):
+        unknown = set(plan) - {"kill", "slow"}
+        if unknown:
+            raise ValueError(f"{ENV}: unknown fault kinds {sorted(unknown)} (known: kill, slow)")
+        self.plan = plan
+
+    @classmethod
+    def from_env(cls) -> "FaultPlan":
+        try:
+            return cls(json.loads(os.environ.get(ENV, "") or "{}"))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{ENV} is not valid JSON: {e}") from None
+
+    def _applies(self, kind: str, run: str, r: int, node: int) -> Optional[dict]:
+        f = self.plan.get(kind)
+        if f and f["round"] == r and f["node"] == node and f.get("run", run) == run:
+            return f
+        return None
+
+    def hook(self, run: str, r: int, node: int) -> Optional[Callable[[int], None]]:
+        """A per-step callback for node_round, or None when nothing applies to this node and round. A kill
+        fires once per parent process (the flow, or the node-flow worker): its marker lives beside it."""
+        marker_dir = os.path.join(tempfile.gettempdir(), f"spes-faults-{os.getppid()}")
+        kill, slow = self._applies("kill", run, r, node), self._applies("slow", run, r, node)
+        if not (kill or slow):
+            return None
+
+        def on_step(i: int) -> None:
+            if kill and i == kill.get("after_step", 0):
+                marker = os.path.join(marker_dir, f"killed-{run}-r{r}-n{node}")
+                if not os.path.exists(marker):
+                    os.makedirs(marker_dir, exist_ok=True)
+                    open(marker, "w").close()
+                    os.kill(os.getpid(), signal.SIGKILL)
+            if slow:
+                time.sleep(float(slow["seconds"]))
+
+        return on_step

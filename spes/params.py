@@ -1,0 +1,175 @@
+"""Reading and validating `params.yaml`: the one place a configuration is checked.
+
+`load_params` merges the YAML (and `key=value` overrides) onto the schema in `spes/config.py`, so
+unknown keys and wrong types fail at load time; `validate` then checks every cross-field invariant
+and returns one-line errors naming the key, before any compute or any write to storage. It reads no
+files besides the params file itself (deployment nodes re-validate and hold no corpus).
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from spes.config import DEVICE_PATTERN, EXPERTS_IMPLS, ConfigError, OptimConfig, Params
+from spes.ownership import OwnershipError, ownership_for
+
+METHODS = ("spes", "diloco", "fedavg", "centralized")
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+"""Names that become folder names on storage (run names, variant names): no '/', no leading '.'."""
+
+
+def check_name(value: str, key: str) -> str:
+    if not isinstance(value, str) or not SAFE_NAME.match(value) or ".." in value:
+        raise ConfigError(f"{key}: {value!r} is not a safe name (letters, digits, '.', '_', '-'; "
+                          "starting with a letter or digit; no '..')")
+    return value
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _check_optim(o: OptimConfig, key: str) -> None:
+    _need(o.lr > 0, f"{key}.lr must be > 0, got {o.lr}")
+    _need(0.0 <= o.min_lr_ratio <= 1.0, f"{key}.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    _need(o.warmup_steps >= 0, f"{key}.warmup_steps must be >= 0, got {o.warmup_steps}")
+    _need(o.weight_decay >= 0, f"{key}.weight_decay must be >= 0, got {o.weight_decay}")
+    _need(0.0 <= o.beta1 < 1.0 and 0.0 <= o.beta2 < 1.0, f"{key}.beta1/beta2 must be in [0, 1)")
+    _need(o.grad_clip >= 0, f"{key}.grad_clip must be >= 0 (0 = off), got {o.grad_clip}")
+
+
+def _check_model(p: Params) -> None:
+    m = p.model
+    _need(m.vocab_size > 0, f"model.vocab_size must be > 0, got {m.vocab_size}")
+    _need(m.hidden_size > 0 and m.num_layers > 0, "model.hidden_size and model.num_layers must be > 0")
+    _need(m.intermediate_size > 0, f"model.intermediate_size must be > 0, got {m.intermediate_size}")
+    _need(m.num_heads > 0, f"model.num_heads must be > 0, got {m.num_heads}")
+    _need(m.num_kv_heads > 0, f"model.num_kv_heads must be > 0, got {m.num_kv_heads}")
+    _need(m.num_heads % m.num_kv_heads == 0,
+          f"model.num_heads ({m.num_heads}) must be a multiple of model.num_kv_heads ({m.num_kv_heads})")
+    _need(m.head_dim is None or m.head_dim > 0, f"model.head_dim must be > 0 or null, got {m.head_dim}")
+    _need(m.head_dim is not None or m.hidden_size % m.num_heads == 0,
+          f"model.hidden_size ({m.hidden_size}) not divisible by model.num_heads ({m.num_heads}); set model.head_dim")
+    _need(m.dim_per_head % 2 == 0, f"head dim ({m.dim_per_head}) must be even for RoPE")
+    _need(m.max_seq_len > 0, f"model.max_seq_len must be > 0, got {m.max_seq_len}")
+    _need(m.qk_norm in ("full", "head", "none"), f"model.qk_norm must be full|head|none, got {m.qk_norm!r}")
+    _need(m.num_experts >= 0, "model.num_experts must be >= 0")
+    if m.is_moe:
+        _need(1 <= m.top_k <= m.num_experts,
+              f"model.top_k ({m.top_k}) must be between 1 and model.num_experts ({m.num_experts})")
+    _need(m.lb_loss_coef >= 0 and m.z_loss_coef >= 0, "model.lb_loss_coef and model.z_loss_coef must be >= 0")
+    _need(m.experts_impl in EXPERTS_IMPLS, f"model.experts_impl must be one of {EXPERTS_IMPLS}, got {m.experts_impl!r}")
+
+
+def _check_seq(value: int, key: str, max_seq_len: int) -> None:
+    _need(value > 0, f"{key} must be > 0, got {value}")
+    _need(value <= max_seq_len, f"{key} ({value}) exceeds model.max_seq_len ({max_seq_len})")
+
+
+def _check_training(p: Params) -> None:
+    m, s = p.model, p.spes
+    _need(s.method in METHODS, f"spes.method must be one of {METHODS}, got {s.method!r}")
+    _need(s.num_nodes >= 1, "spes.num_nodes must be >= 1")
+    if s.method == "centralized":
+        _need(s.num_nodes == 1, f"spes.method=centralized needs spes.num_nodes=1, got {s.num_nodes}")
+    if s.method == "spes":
+        _need(m.is_moe, "spes.method=spes needs an MoE model (model.num_experts > 0)")
+        try:  # the same function the nodes use to find their experts
+            ownership_for(s.method, m.num_experts, s.num_nodes, s.ownership)
+        except OwnershipError as e:
+            key = "spes.ownership" if s.ownership is not None else "model.num_experts / spes.num_nodes"
+            raise ConfigError(f"{key}: {e}") from None
+    elif s.ownership is not None:
+        raise ConfigError(f"spes.ownership is only used by spes.method=spes (got method {s.method!r})")
+    _need(s.sync_steps >= 1, "spes.sync_steps must be >= 1")
+    _need(s.rounds >= 1, f"spes.rounds must be >= 1, got {s.rounds}")
+    _need(0 <= s.warmup_rounds <= s.rounds, f"spes.warmup_rounds ({s.warmup_rounds}) must be in [0, spes.rounds={s.rounds}]")
+    _need(s.batch_size >= 1, f"spes.batch_size must be >= 1, got {s.batch_size}")
+    _check_seq(s.seq_len, "spes.seq_len", m.max_seq_len)
+    _check_optim(s.optim, "spes.optim")
+    _need(s.frozen_dtype in ("float32", "bfloat16"), f"spes.frozen_dtype must be float32|bfloat16, got {s.frozen_dtype!r}")
+    _need(s.autocast in (None, "bfloat16", "float16"), f"spes.autocast must be null|bfloat16|float16, got {s.autocast!r}")
+    _need(s.outer_lr > 0 and 0.0 <= s.outer_momentum < 1.0,
+          "spes.outer_lr must be > 0 and spes.outer_momentum in [0, 1)")
+    mg = s.merge
+    _need(mg.interval >= 1 and mg.decay_steps >= 1 and mg.top_k >= 1, "spes.merge.interval/decay_steps/top_k must be >= 1")
+    _need(0.0 <= mg.alpha_start <= 1.0, f"spes.merge.alpha_start must be in [0, 1], got {mg.alpha_start}")
+    if m.is_moe and mg.enabled:
+        _need(mg.top_k < m.num_experts, f"spes.merge.top_k ({mg.top_k}) must be < model.num_experts ({m.num_experts})")
+
+
+def _check_stages(p: Params) -> None:
+    d, e, t = p.dense, p.eval, p.tokenize
+    _need(d.steps >= 1, f"dense.steps must be >= 1, got {d.steps}")
+    _need(d.batch_size >= 1, f"dense.batch_size must be >= 1, got {d.batch_size}")
+    _check_seq(d.seq_len, "dense.seq_len", p.model.max_seq_len)
+    _check_optim(d.optim, "dense.optim")
+    _need(d.export_arch in ("auto", "qwen3", "llama"), f"dense.export_arch must be auto|qwen3|llama, got {d.export_arch!r}")
+    _need(e.batches >= 1 and e.batch_size >= 1, "eval.batches and eval.batch_size must be >= 1")
+    _check_seq(e.seq_len, "eval.seq_len", p.model.max_seq_len)
+    _need(p.init.mode in ("scratch", "upcycle"), f"init.mode must be scratch|upcycle, got {p.init.mode!r}")
+    _need(0.0 <= p.init.noise_fraction <= 1.0, "init.noise_fraction must be in [0, 1]")
+    _need(p.init.noise_std >= 0 and p.init.router_init_std >= 0, "init.noise_std and init.router_init_std must be >= 0")
+    _need(t.corpus_format in ("auto", "text", "json", "parquet"),
+          f"tokenize.corpus_format must be auto|text|json|parquet, got {t.corpus_format!r}")
+    _need(0.0 < t.val_fraction < 0.5, "tokenize.val_fraction must be in (0, 0.5)")
+    _need(t.max_files >= 1, f"tokenize.max_files must be >= 1, got {t.max_files}")
+
+
+def _check_orchestration(p: Params) -> None:
+    o, s = p.orchestration, p.spes
+    check_name(o.run_name, "orchestration.run_name")
+    mn = o.min_nodes
+    _need(mn is None or 1 <= mn <= s.num_nodes, f"orchestration.min_nodes ({mn}) must be in [1, spes.num_nodes={s.num_nodes}]")
+    _need(bool(DEVICE_PATTERN.match(o.device)), f"orchestration.device must be auto|cpu|cuda|cuda:K, got {o.device!r}")
+    _need(o.executor in ("process", "deployment"), f"orchestration.executor must be process|deployment, got {o.executor!r}")
+    _need(o.threads_per_node >= 1, f"orchestration.threads_per_node must be >= 1, got {o.threads_per_node}")
+    _need(o.node_retries >= 0, f"orchestration.node_retries must be >= 0, got {o.node_retries}")
+    _need(o.round_timeout_s > 0, f"orchestration.round_timeout_s must be > 0, got {o.round_timeout_s}")
+    _need(o.lock_ttl_s >= 3, f"orchestration.lock_ttl_s must be >= 3 seconds (refreshed every ttl/3), got {o.lock_ttl_s}")
+    _need(bool(p.storage.url), "storage.url must not be empty")
+    _need(p.storage.timeout_s > 0, f"storage.timeout_s must be > 0, got {p.storage.timeout_s}")
+    _need(p.storage.retries >= 0, f"storage.retries must be >= 0, got {p.storage.retries}")
+
+
+def validate(p: Params) -> Params:
+    """Cross-field checks; raises ConfigError naming the key."""
+    _check_model(p)
+    _check_training(p)
+    _check_stages(p)
+    _check_orchestration(p)
+    return p
+
+
+def _to_params(*configs: Any, where: str = "") -> Params:
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Params), *configs)
+        params: Params = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{where}{str(e).splitlines()[0]} (key: {getattr(e, 'full_key', '?')})") from None
+    return validate(params)
+
+
+def load_params(path: str = "params.yaml", overrides: Optional[list[str]] = None) -> Params:
+    """Read `path` onto the schema, apply `key=value` overrides, validate. One error line on failure."""
+    if not os.path.exists(path):
+        raise ConfigError(f"params file not found: {path}")
+    try:
+        dotlist = OmegaConf.from_dotlist(list(overrides or []))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"bad override in {overrides}: {str(e).splitlines()[0]}") from None
+    return _to_params(OmegaConf.load(path), dotlist, where=f"{path}: ")
+
+
+def params_from_dict(d: dict) -> Params:
+    """A resolved params dict (what the flow hands to nodes) back into validated Params."""
+    return _to_params(OmegaConf.create(d))
+
+
+def to_dict(obj: Any) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(obj), resolve=True)  # type: ignore[return-value]

@@ -1,0 +1,80 @@
+"""A run's identity and rounds on storage: fingerprint, creation, mismatch, resume resolution, records."""
+import copy
+
+import pytest
+import torch
+
+from spes.config import Params
+from spes.params import to_dict
+from spes.runs import MODEL_FILE, InitModel, Run, RunMismatch, fingerprint_of, settings_fingerprint
+from spes.store import Store, StoreError
+from tests.conftest import tiny_config
+
+
+def test_new_settings_at_their_default_keep_runs_resumable():
+    p = Params()
+    p.spes.sync_steps = 77
+    now = to_dict(p)
+    older = copy.deepcopy(now)
+    del older["spes"]["autocast"], older["spes"]["merge"]["top_k"]  # as written by a release without them
+    assert fingerprint_of(older) == settings_fingerprint(p)
+
+
+def test_fingerprint_tracks_what_changes_the_run():
+    base = settings_fingerprint(Params())
+    for section, key, value in (("spes", "sync_steps", 3), ("model", "top_k", 1), ("spes", "autocast", "bfloat16")):
+        p = Params()
+        setattr(getattr(p, section), key, value)
+        assert settings_fingerprint(p) != base, key
+    p = Params()
+    p.orchestration.min_nodes, p.storage.url, p.model.experts_impl = 1, "s3://elsewhere", "loop"
+    assert settings_fingerprint(p) == base  # placement and implementation, not the run's maths
+
+
+def _init(seed=0):
+    torch.manual_seed(seed)
+    cfg = tiny_config()
+    return InitModel.from_state(cfg.build().canonical_state_dict(), cfg, "scratch")
+
+
+def test_ensure_creates_round_zero_and_refuses_other_settings_or_init(tmp_path):
+    run = Run(Store(str(tmp_path)), "r")
+    with pytest.raises(StoreError, match="does not exist .* no init model"):
+        run.ensure("fp1", None)
+    run.ensure("fp1", _init())
+    info = run.info()
+    assert run.committed_rounds() == [0] and info["fingerprint"] == "fp1"
+    assert info["init_sha256"] == run.store.read_manifest(run.layout.global_dir(0))["files"][MODEL_FILE]["sha256"]
+    run.ensure("fp1", _init())  # same identity: nothing to do
+    run.ensure("fp1", None)  # a resume that does not bring the init
+    with pytest.raises(RunMismatch, match="another settings"):
+        run.ensure("fp2", None)
+    with pytest.raises(RunMismatch, match="another initial model"):
+        run.ensure("fp1", _init(seed=1))
+    run.ensure("fp2", _init(seed=1), on_mismatch="restart")
+    assert run.info()["fingerprint"] == "fp2" and run.committed_rounds() == [0]
+    (old,) = (tmp_path / "runs/r/superseded").iterdir()
+    assert sorted(p.name for p in old.iterdir()) == ["000000", "info"]  # set aside, not deleted
+
+
+def test_resolve_start_and_supersede(tmp_path):
+    run = Run(Store(str(tmp_path)), "r")
+    run.ensure("fp", _init())
+    for r in (1, 2, 3):
+        run.store.write_bundle(run.layout.global_dir(r), {MODEL_FILE: {"w": torch.zeros(1)}}, {"round": r})
+    assert run.resolve_start("latest") == 4 and run.resolve_start(None) == 4
+    with pytest.raises(StoreError, match=r"round 7 is not committed \(committed: \[0, 1, 2, 3\]\)"):
+        run.resolve_start(7)
+    with pytest.raises(StoreError, match="resume_round must be"):
+        run.resolve_start("soon")
+    assert run.resolve_start(1) == 2
+    assert run.committed_rounds() == [0, 1]
+    (moved,) = (tmp_path / "runs/r/superseded").iterdir()
+    assert sorted(p.name for p in moved.iterdir()) == ["000002", "000003"]
+
+
+def test_records(tmp_path):
+    run = Run(Store(str(tmp_path)), "r")
+    run.write_record(2, {"round": 2, "wall_s": 1.5})
+    run.write_record(2, {"round": 2, "wall_s": 9.9})  # a retried round task keeps the first record
+    assert run.records(1, 3) == [{"round": 2, "wall_s": 1.5}]

@@ -1,0 +1,70 @@
+"""The node trainer: own experts + shared params trainable, foreign experts frozen with no grad/state."""
+import pytest
+import torch
+
+from spes.config import OptimConfig, SpesConfig
+from spes.trainer import NodeTrainer, build_node_trainer, lr_at
+from tests.conftest import tiny_config
+
+
+def _clone(sd):
+    return {k: v.clone() for k, v in sd.items()}
+
+
+def test_node_trainer_freezes_foreign_experts_and_uploads_only_its_own():
+    torch.manual_seed(0)
+    model = tiny_config().build()
+    tr = NodeTrainer(model, owned=[2, 3], optim=OptimConfig(lr=1e-2, warmup_steps=1), total_steps=10)
+    before = _clone(model.canonical_state_dict())
+    x = torch.randint(0, 96, (2, 12))
+    tr.train_step(x, x, 0)
+    frozen = [c for m in model.moe_layers() for c in m.experts.chunks if not c.trainable]
+    assert frozen and all(c.gate_up_proj.grad is None and c.down_proj.grad is None for c in frozen)
+    opt_params = {id(p) for g in tr.optimizer.param_groups for p in g["params"]}
+    assert all(id(c.gate_up_proj) not in opt_params and c.gate_up_proj not in tr.optimizer.state for c in frozen)
+    after = model.canonical_state_dict()
+    for i in range(2):
+        gu = f"model.layers.{i}.mlp.experts.gate_up_proj"
+        assert torch.equal(after[gu][:2], before[gu][:2])  # foreign experts untouched
+        assert not torch.equal(after[gu][2:], before[gu][2:])  # own experts trained
+    assert not torch.equal(after["model.embed_tokens.weight"], before["model.embed_tokens.weight"])
+    up = tr.upload()
+    for name, t in up.items():
+        if ".experts." in name:  # exactly the owned rows (2 and 3), as trained
+            assert torch.equal(t, after[name][2:]), name
+        else:
+            assert torch.equal(t, after[name]), name
+    assert set(up) == set(after)
+
+
+def test_frozen_experts_in_bf16_and_optimizer_state_roundtrip():
+    torch.manual_seed(1)
+    model = tiny_config().build()
+    tr = NodeTrainer(model, [0], OptimConfig(), 10, frozen_dtype=torch.bfloat16)
+    chunks = model.moe_layers()[0].experts.chunks
+    assert [c.gate_up_proj.dtype for c in chunks] == [torch.float32, torch.bfloat16]
+    x = torch.randint(0, 96, (2, 8))
+    tr.train_step(x, x, 0)
+    state = tr.optimizer_tensors()
+    tr2 = NodeTrainer(tiny_config().build(), [0], OptimConfig(), 10)
+    tr2.load_optimizer_tensors(state)
+    assert all(torch.equal(state[k], v) for k, v in tr2.optimizer_tensors().items())
+    with pytest.raises(ValueError, match="does not match"):
+        NodeTrainer(tiny_config().build(), [1, 2], OptimConfig(), 10).load_optimizer_tensors(state)
+
+
+def test_build_node_trainer_follows_the_ownership_settings():
+    s = SpesConfig(num_nodes=2, frozen_dtype="bfloat16")
+    assert build_node_trainer(s, tiny_config().build(), 1).owned == (2, 3)
+    s.ownership = [[1], [0, 2, 3]]
+    tr = build_node_trainer(s, tiny_config().build(), 0)
+    assert tr.owned == (1,)
+    assert {c.gate_up_proj.dtype for c in tr.model.moe_layers()[0].experts.chunks if not c.trainable} == {torch.bfloat16}
+    s = SpesConfig(method="diloco", num_nodes=2)
+    assert build_node_trainer(s, tiny_config().build(), 1).owned == (0, 1, 2, 3)
+
+
+def test_lr_schedule():
+    c = OptimConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_at(0, c, 110) == pytest.approx(0.1) and lr_at(9, c, 110) == pytest.approx(1.0)
+    assert lr_at(60, c, 110) == pytest.approx(0.55) and lr_at(110, c, 110) == pytest.approx(0.1)
