@@ -99,15 +99,14 @@ def main():
     print(f"node/full time = {t_node / t_full:.2f}   memory = {m_node / m_full:.2f}")
 
     if dev == "cuda":  # fp32 experts: grouped_mm has no fp32 CUDA kernel, so auto picks Triton over the loop
-        import spes.moe as moe
+        import dataclasses
 
         times = {}
         for impl in ("loop", "triton"):
-            moe.EXPERTS_IMPL = impl
             torch.manual_seed(0)
-            tr = NodeTrainer(CausalLM(cfg).to(dev), range(cfg.num_experts), OptimConfig(), 100)
+            tr = NodeTrainer(dataclasses.replace(cfg, experts_impl=impl).build().to(dev), range(cfg.num_experts),
+                             OptimConfig(), 100)
             times[impl] = timed(lambda: tr.train_step(x, x, 50), a.steps)
-        moe.EXPERTS_IMPL = "auto"
         print(f"fp32 full step: experts loop {times['loop'] * 1e3:.1f} ms, Triton {times['triton'] * 1e3:.1f} ms "
               f"= {times['loop'] / times['triton']:.2f}x")
 

@@ -3,6 +3,7 @@ process (`pipelines/node_worker.py`) or of a `spes-node` deployment worker (`pip
 
   {"kill": {"round": 2, "node": 1, "after_step": 3}}   SIGKILL once (a marker file makes it fire once)
   {"slow": {"round": 2, "node": 1, "seconds": 5}}        sleep before every step (a straggler)
+  {"corrupt": {"round": 2, "node": 0}}                   truncate the node's committed upload once
 
 each optionally limited to one run with "run": "<name>".
 """
@@ -20,9 +21,9 @@ ENV = "SPES_FAULT_PLAN"
 
 class FaultPlan:
     def __init__(self, plan: dict):
-        unknown = set(plan) - {"kill", "slow"}
+        unknown = set(plan) - {"kill", "slow", "corrupt"}
         if unknown:
-            raise ValueError(f"{ENV}: unknown fault kinds {sorted(unknown)} (known: kill, slow)")
+            raise ValueError(f"{ENV}: unknown fault kinds {sorted(unknown)} (known: kill, slow, corrupt)")
         self.plan = plan
 
     @classmethod
@@ -38,22 +39,34 @@ class FaultPlan:
             return f
         return None
 
-    def hook(self, run: str, r: int, node: int) -> Optional[Callable[[int], None]]:
-        """A per-step callback for node_round, or None when nothing applies to this node and round. A kill
-        fires once per parent process (the flow, or the node-flow worker): its marker lives beside it."""
+    @staticmethod
+    def _once(what: str) -> bool:
+        """True the first time per parent process (the flow, or the node-flow worker): a marker beside it."""
         marker_dir = os.path.join(tempfile.gettempdir(), f"spes-faults-{os.getppid()}")
+        marker = os.path.join(marker_dir, what)
+        if os.path.exists(marker):
+            return False
+        os.makedirs(marker_dir, exist_ok=True)
+        open(marker, "w").close()
+        return True
+
+    def hook(self, run: str, r: int, node: int) -> Optional[Callable[[int], None]]:
+        """A per-step callback for node_round, or None when nothing applies to this node and round."""
         kill, slow = self._applies("kill", run, r, node), self._applies("slow", run, r, node)
         if not (kill or slow):
             return None
 
         def on_step(i: int) -> None:
-            if kill and i == kill.get("after_step", 0):
-                marker = os.path.join(marker_dir, f"killed-{run}-r{r}-n{node}")
-                if not os.path.exists(marker):
-                    os.makedirs(marker_dir, exist_ok=True)
-                    open(marker, "w").close()
-                    os.kill(os.getpid(), signal.SIGKILL)
+            if kill and i == kill.get("after_step", 0) and self._once(f"killed-{run}-r{r}-n{node}"):
+                os.kill(os.getpid(), signal.SIGKILL)
             if slow:
                 time.sleep(float(slow["seconds"]))
 
         return on_step
+
+    def after_commit(self, run: str, r: int, node: int, upload_dir: str) -> None:
+        """Damage the node's committed upload (local storage), once: the aggregator must catch it."""
+        if self._applies("corrupt", run, r, node) and self._once(f"corrupt-{run}-r{r}-n{node}"):
+            f = os.path.join(upload_dir, "shared.safetensors")
+            with open(f, "r+b") as fh:
+                fh.truncate(os.path.getsize(f) - 64)

@@ -17,24 +17,26 @@ from prefect import flow
 
 from pipelines.faults import FaultPlan
 from spes.data import TokenData
+from spes.devices import node_threads
 from spes.params import params_from_dict
-from spes.rounds import node_round
+from spes.node_round import node_round
 from spes.store import Store
 from spes.token_share import fetch_tokens
 
 
 @flow(name="spes-node", flow_run_name="{run}-node-{node}-round-{r}")
-def spes_node(params: dict, run: str, r: int, node: int, tokens: Optional[str] = None) -> dict:
+def spes_node(params: dict, run: str, r: int, node: int, tokens: Optional[str] = None, checkpoint: bool = False) -> dict:
     p = params_from_dict(params)
     import torch
 
-    torch.set_num_threads(max(1, p.orchestration.threads_per_node))
+    torch.set_num_threads(node_threads(p, 1))  # a deployment node has its machine to itself
     store = Store.from_config(p.storage)
     if tokens:
         data = fetch_tokens(store, tokens, p.orchestration.node_cache_dir)
     else:
         data = TokenData.open(os.path.join(p.artifacts_dir, "tokens"))
-    return node_round(p, store, run, r, node, data, on_step=FaultPlan.from_env().hook(run, r, node))
+    return node_round(p, store, run, r, node, data, on_step=FaultPlan.from_env().hook(run, r, node),
+                      checkpoint=checkpoint)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """A node's long-lived process: `python -m pipelines.node_worker` reads one JSON command per line on stdin,
-  {"params": {...resolved params...}, "run": "...", "round": r, "node": i}
-runs that node's round (spes.rounds.node_round: everything loaded from and committed to storage) and
+  {"params": {...resolved params...}, "run": "...", "round": r, "node": i, "checkpoint": bool}
+runs that node's round (spes.node_round: its state from its local folder, the global from storage) and
 answers one line `RESULT {...}` on stdout with the node's meta. Staying alive across rounds saves the
 interpreter and torch start (seconds per round on small machines); since every round reloads its state
-from storage, a killed worker is simply replaced and the result is the same.
+(its local folder, and storage), a killed worker is simply replaced and the result is the same.
 Faults for tests: `SPES_FAULT_PLAN` (pipelines/faults.py).
 """
 from __future__ import annotations
@@ -21,8 +21,10 @@ def serve() -> int:
 
     from pipelines.faults import FaultPlan
     from spes.data import TokenData
+    from spes.devices import node_threads
+    from spes.node_round import node_round
     from spes.params import params_from_dict
-    from spes.rounds import node_round
+    from spes.runs import RunLayout
     from spes.store import Store
 
     faults = FaultPlan.from_env()
@@ -32,11 +34,12 @@ def serve() -> int:
         cmd = json.loads(line)
         try:
             p = params_from_dict(cmd["params"])
-            torch.set_num_threads(max(1, p.orchestration.threads_per_node))
+            torch.set_num_threads(node_threads(p, p.spes.nodes))
             r, node, run = int(cmd["round"]), int(cmd["node"]), cmd["run"]
-            meta = node_round(p, Store.from_config(p.storage), run, r, node,
-                              TokenData.open(os.path.join(p.artifacts_dir, "tokens")),
-                              on_step=faults.hook(run, r, node))
+            store = Store.from_config(p.storage)
+            meta = node_round(p, store, run, r, node, TokenData.open(os.path.join(p.artifacts_dir, "tokens")),
+                              on_step=faults.hook(run, r, node), checkpoint=bool(cmd.get("checkpoint")))
+            faults.after_commit(run, r, node, store.path(RunLayout(run).node_dir(r, node)))
             out = {"ok": True, "meta": meta}
         except Exception as e:  # report, stay alive for the next command
             out = {"ok": False, "error": f"{type(e).__name__}: {e}"}

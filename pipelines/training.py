@@ -12,13 +12,15 @@ import os
 from typing import Optional, Union
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.runtime import flow_run
 
 from pipelines.node_pool import POOL
 from pipelines.round import artifact_key, round_task
 from spes.config import Params
 from spes.data import TokenData, check_vocab
+from spes.node_round import node_state_root
+from spes.node_state import NodeStateDir
 from spes.params import load_params
 from spes.runs import InitModel, Run, RunLease, settings_fingerprint, tokens_dir
 from spes.store import Store
@@ -78,13 +80,38 @@ def _publish_tokens(p: Params, store: Store) -> str:
     return key
 
 
+def _local_state_checker(p: Params, run: Run):
+    """Process nodes keep their state on this machine: the flow can see which rounds they can resume from.
+    Deployment nodes keep theirs on their own machines (None: see Run.resumable_rounds)."""
+    if p.orchestration.executor != "process":
+        return None
+    run_id, root = run.info()["run_id"], node_state_root(p)
+    return lambda node, ref: NodeStateDir(root, run.store.url, run.name, run_id, node).has_state(ref)
+
+
+def is_checkpoint_round(p: Params, r: int, stage_last: int) -> bool:
+    return r % p.checkpoint.every_rounds == 0 or r == stage_last or r == p.spes.rounds
+
+
+def _heldout_markdown(run: Run, last: int) -> str:
+    rows = [rec for rec in run.records(1, last) if rec.get("heldout_loss") is not None]
+    lines = ["| round | tokens so far | held-out loss |", "|---|---|---|"]
+    total = 0
+    for rec in run.records(1, last):
+        total += rec.get("tokens", 0)
+        if rec.get("heldout_loss") is not None:
+            lines.append(f"| {rec['round']} | {total} | {rec['heldout_loss']:.4f} |")
+    return f"Held-out loss of the committed global ({len(rows)} rounds)\n\n" + "\n".join(lines)
+
+
 def _run_rounds(p: Params, run: Run, lease: RunLease, stage: str, resume_round, init_path, on_mismatch) -> dict:
     """The flow's body, run while it holds the run's writer lease."""
     logger = get_run_logger()
     if p.orchestration.executor == "process":
-        POOL.start(range(p.spes.num_nodes))  # no-op for processes started before the flow (stages.rounds)
+        POOL.start(range(p.spes.nodes))  # no-op for processes started before the flow (stages.rounds)
     run.ensure(settings_fingerprint(p), InitModel.load(init_path) if init_path else None, on_mismatch)
-    first = run.resolve_start(resume_round)
+    first = run.resolve_start(resume_round, _local_state_checker(p, run))
+    logger.info("run %s: starting at round %d", run.name, first)
     tokens = os.path.join(p.artifacts_dir, "tokens")
     tokens_key = None
     if p.orchestration.executor == "deployment":
@@ -97,11 +124,15 @@ def _run_rounds(p: Params, run: Run, lease: RunLease, stage: str, resume_round, 
     rounds = []
     for r in range(first, last + 1):
         lease.check()  # never start a round (and write to the run) without the lease
-        res = round_task.with_options(task_run_name=f"round-{r}")(p, run.name, r, tokens_key)
+        res = round_task.with_options(task_run_name=f"round-{r}")(p, run.name, r, is_checkpoint_round(p, r, last),
+                                                                  tokens_key)
         rounds.append(res)
-        logger.info("round %d committed: contributors %s, wall %.1fs", r, res["aggregate"]["contributors"],
-                    res["wall_s"])
+        logger.info("round %d committed: contributors %s, held-out loss %s, wall %.1fs",
+                    r, res["aggregate"]["contributors"], res["heldout_loss"], res["wall_s"])
         update_progress_artifact(progress, 100.0 * r / p.spes.rounds)
+        if res["heldout_loss"] is not None:
+            create_markdown_artifact(_heldout_markdown(run, r), key=artifact_key(run.name, "heldout"),
+                                     description=f"held-out loss per round, up to round {r}")
     latest = run.latest_round()
     return {"run": run.name, "first_round": first, "last_round": max(last, first - 1), "rounds": rounds,
             "latest_committed": latest, "contributors_last": rounds[-1]["aggregate"]["contributors"] if rounds else None}

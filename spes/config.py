@@ -47,6 +47,11 @@ class ModelConfig:
     """Switch load-balancing loss weight."""
     z_loss_coef: float = 0.001
     """Router z-loss weight."""
+    z_loss_reduction: str = "sum"
+    """How the per-layer router z-losses combine: 'sum' (the reference: megablocks returns one term per
+    router and they are added) or 'mean' over layers (num_layers times weaker)."""
+    lm_head_z_loss_coef: float = 0.0
+    """Weight of the LM-head z-loss mean(logsumexp(logits)^2); the reference uses 1e-5. 0 = off."""
     experts_impl: str = "auto"
     """How the experts compute: 'auto' (torch grouped_mm where it has a kernel, else Triton on CUDA, else a
     loop), or one of 'grouped_mm', 'triton', 'loop' pinned (tests and benchmarks compare them). An
@@ -78,7 +83,8 @@ class TokenizeConfig:
     """Cap on corpus files when the default (stdlib) corpus is used."""
     tokenizer: Optional[str] = None
     """A HF tokenizer (path, tokenizer.json or hub id); None = train a byte-level BPE."""
-    val_fraction: float = 0.02
+    val_fraction: float = 0.12
+    """Documents held out (whole documents); enough that variants 0.5% apart can be told apart."""
     seed: int = 0
 
 
@@ -92,6 +98,7 @@ class InitConfig:
     noise_fraction: float = 0.5
     """Fraction of each expert's weights that receive Gaussian noise."""
     router_init_std: float = 0.02
+    """Router weights ~ N(0, std) at init (upcycled or scratch); 0 = zeros, the reference's default."""
     seed: int = 0
 
 
@@ -104,6 +111,8 @@ class OptimConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
+    decay_norms: bool = False
+    """Apply weight decay to norm weights too (the reference decays every parameter); False = matrices only."""
 
 
 @dataclass
@@ -136,7 +145,7 @@ class MergeConfig:
 @dataclass
 class SpesConfig:
     method: str = "spes"
-    """'spes', 'diloco', 'fedavg' or 'centralized'."""
+    """'spes', 'diloco', 'fedavg' or 'centralized' (one node, num_nodes x batch_size: see `nodes`)."""
     num_nodes: int = 2
     ownership: Optional[list[list[int]]] = None
     """Explicit expert ids per node; None = contiguous blocks."""
@@ -166,6 +175,41 @@ class SpesConfig:
     def total_steps(self) -> int:
         return self.rounds * self.sync_steps
 
+    @property
+    def nodes(self) -> int:
+        """Nodes that actually train: one for 'centralized', num_nodes otherwise."""
+        return 1 if self.method == "centralized" else self.num_nodes
+
+    @property
+    def node_batch_size(self) -> int:
+        """Sequences per optimizer step on each training node: 'centralized' is the num_nodes-node run it
+        is compared with, done by one node with num_nodes x batch_size (same tokens per step and in total)."""
+        return self.batch_size * self.num_nodes if self.method == "centralized" else self.batch_size
+
+
+@dataclass
+class SyncConfig:
+    """What crosses the link at a sync (spes/sync.py, spes/codecs.py)."""
+
+    codec: str = "fp32"
+    """Encoding of the deltas nodes upload and download: 'fp32' (exact), 'bf16', 'int8' (blockwise absmax)."""
+    error_feedback: bool = True
+    """With a lossy codec, keep each encoding's error and add it to the next round's delta (nodes keep theirs
+    in their local state, the aggregator its own beside the global model)."""
+    int8_block: int = 256
+    """Values per int8 scale (one fp32 scale per block)."""
+
+
+@dataclass
+class CheckpointConfig:
+    every_rounds: int = 5
+    """Nodes also write their state (optimizer, data position, residual) to shared storage every this many
+    rounds and at the last round of a stage; in between it stays on the node (orchestration.node_state_dir).
+    A run resumes from any machine at such rounds, from the nodes' own folders at the others."""
+    keep_last: Optional[int] = None
+    """With storage.keep_rounds set: keep only the last this many rounds resumable from shared storage
+    (None = all of them; round 0 is always kept)."""
+
 
 @dataclass
 class StorageConfig:
@@ -177,6 +221,10 @@ class StorageConfig:
     """Connect and read timeout of one storage call (S3); a call that hangs longer is retried."""
     retries: int = 4
     """Retries of a failed storage call (exponential backoff from 0.5 s, each logged), then the call fails."""
+    keep_rounds: Optional[int] = 3
+    """Keep the last K rounds whole (their deltas refer to the round's node uploads); older rounds keep only
+    their record, except round 0 and the rounds a resume can start from from shared storage, which keep
+    their global and the node states they need. None = keep everything."""
 
 
 @dataclass
@@ -190,7 +238,12 @@ class OrchestrationConfig:
     """Where nodes (and the dense stage) compute: auto | cpu | cuda | cuda:K (see spes/devices.py)."""
     node_cache_dir: str = "~/.cache/spes"
     """Deployment nodes keep the token shards fetched from shared storage here (on their own machine)."""
-    threads_per_node: int = 1
+    node_state_dir: Optional[str] = None
+    """Each node's own state between rounds, on its own machine (spes/node_state.py);
+    None = <node_cache_dir>/state."""
+    threads_per_node: Optional[int] = None
+    """Torch threads per node process; None = this machine's cores shared among the nodes it runs (process
+    executor), all of them for a deployment node."""
     node_retries: int = 2
     round_timeout_s: float = 900.0
     """Nodes not committed by then are left out of the round (quorum permitting)."""
@@ -202,13 +255,37 @@ class OrchestrationConfig:
 
 @dataclass
 class EvalConfig:
-    batches: int = 16
+    batches: Optional[int] = None
+    """Batches of the held-out split the `evaluate` stage scores; None = all of it (the default)."""
     batch_size: int = 8
     seq_len: int = 128
+    every_rounds: int = 1
+    """Held-out loss of the committed global every this many rounds (0 = never), on the first
+    `round_batches` batches: shown in the round's Prefect table and stored in its record."""
+    round_batches: int = 4
     lm_eval_tasks: list[str] = field(default_factory=list)
     """lm-eval task names (or names defined in `lm_eval_include`); empty = skip."""
     lm_eval_include: Optional[str] = None
     lm_eval_limit: Optional[int] = None
+
+
+@dataclass
+class CompareConfig:
+    """The comparison pipeline (compare/dvc.yaml): every variant x seed x lr x budget as its own run."""
+
+    variants: dict[str, list[str]] = field(default_factory=dict)
+    """Name -> `key=value` overrides (params.yaml lists spes, spes-no-merge, diloco, fedavg, centralized,
+    spes-4nodes, spes-int8). All variants train on the same tokens from the same initial model (the per-node
+    batch shrinks where nodes are added: 'spes-4nodes' halves it). Empty here: a dict default would be
+    merged into, not replaced by, the one in params.yaml."""
+    seeds: list[int] = field(default_factory=lambda: [0, 1])
+    """spes.seed of each repeat (data order and node randomness; the initial model stays the same)."""
+    lrs: list[float] = field(default_factory=lambda: [0.002])
+    """The learning-rate sweep every variant gets (the best of each is reported, the sweep is shown)."""
+    budgets: list[int] = field(default_factory=lambda: [1])
+    """Token budgets as multiples of spes.rounds (e.g. [1, 4]): does the gap shrink with tokens?"""
+    baseline: str = "centralized"
+    """The variant the others are divided by (ratio_to_centralized)."""
 
 
 @dataclass
@@ -218,7 +295,10 @@ class Params:
     init: InitConfig = field(default_factory=InitConfig)
     dense: DenseConfig = field(default_factory=DenseConfig)
     spes: SpesConfig = field(default_factory=SpesConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     orchestration: OrchestrationConfig = field(default_factory=OrchestrationConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    compare: CompareConfig = field(default_factory=CompareConfig)
     artifacts_dir: str = "artifacts"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -89,9 +90,12 @@ class BatchStream:
         return _window_batch(self.tokens, starts, self.seq_len)
 
 
-def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, num_batches: int):
-    """Fixed, non-overlapping windows from the start of the held-out split (same for every model)."""
-    n_windows = min(num_batches * batch_size, (len(tokens) - 1) // seq_len)
+def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, num_batches: Optional[int] = None):
+    """Fixed, non-overlapping windows from the start of the held-out split (same for every model): the
+    first `num_batches` batches, or all of it (None)."""
+    n_windows = (len(tokens) - 1) // seq_len
+    if num_batches is not None:
+        n_windows = min(num_batches * batch_size, n_windows)
     if n_windows == 0:
         raise DataError(f"held-out split has {len(tokens)} tokens, fewer than one window of {seq_len + 1}")
     starts = np.arange(n_windows) * seq_len

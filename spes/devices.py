@@ -8,6 +8,7 @@ required; 'cuda:K' / 'cpu' as written. Master weights and optimizer state stay f
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Optional
 
 import torch
@@ -32,6 +33,11 @@ def resolve_device(spec: str, node: int = 0) -> torch.device:
     if index >= count:
         raise DeviceError(f"device {spec!r}: only {count} CUDA device(s) visible")
     return torch.device("cuda", index)
+
+
+def node_threads(p, nodes_here: int) -> int:
+    """orchestration.threads_per_node, or this machine's cores shared among the `nodes_here` nodes it runs."""
+    return p.orchestration.threads_per_node or max(1, (os.cpu_count() or 1) // max(1, nodes_here))
 
 
 def autocast(device: torch.device, dtype_name: Optional[str]):

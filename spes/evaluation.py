@@ -12,17 +12,22 @@ from spes.model import CausalLM
 
 
 @torch.no_grad()
-def heldout_loss(model: CausalLM, tokens: np.ndarray, batch_size: int, seq_len: int, num_batches: int) -> dict:
+def heldout_loss(model: CausalLM, tokens: np.ndarray, batch_size: int, seq_len: int,
+                 num_batches: Optional[int] = None) -> dict:
+    """Mean next-token loss over fixed windows of the held-out split (all of it when num_batches is None),
+    with the standard error of that mean estimated from the spread of the per-window means."""
     model.eval()
     device = next(model.parameters()).device
-    total, n = torch.zeros((), dtype=torch.float64, device=device), 0
+    per_window = []
     for x, y in eval_batches(tokens, batch_size, seq_len, num_batches):
         logits = model(x.to(device)).logits.float()
-        total += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.to(device).reshape(-1),
-                                                   reduction="sum")
-        n += y.numel()
-    loss = total.item() / n
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": n}
+        nll_BS = torch.nn.functional.cross_entropy(logits.transpose(1, 2), y.to(device), reduction="none")
+        per_window.append(nll_BS.double().mean(dim=1))
+    w = torch.cat(per_window)  # every window has seq_len tokens: the loss is the mean of the window means
+    loss = w.mean().item()
+    se = (w.std(unbiased=True) / math.sqrt(len(w))).item() if len(w) > 1 else float("nan")
+    return {"loss": loss, "se": se, "perplexity": math.exp(min(loss, 50.0)), "tokens": len(w) * seq_len,
+            "windows": len(w)}
 
 
 @torch.no_grad()

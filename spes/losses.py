@@ -1,4 +1,4 @@
-"""Router auxiliary losses (per layer, then averaged over layers) and the SPES decayed load-balance factor."""
+"""Router auxiliary losses (per layer; the model combines them over layers) and the SPES decayed load-balance factor."""
 from __future__ import annotations
 
 from typing import Optional

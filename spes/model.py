@@ -119,7 +119,7 @@ class Backbone(nn.Module):
 @dataclass
 class ModelOutput:
     logits: torch.Tensor
-    loss: Optional[torch.Tensor] = None  # ce + lb_coef * lb + z_coef * z
+    loss: Optional[torch.Tensor] = None  # ce + lb_coef * lb + z_coef * z (+ lm-head z-loss)
     ce: Optional[torch.Tensor] = None
     lb: Optional[torch.Tensor] = None
     z: Optional[torch.Tensor] = None
@@ -158,14 +158,18 @@ class CausalLM(nn.Module):
             out.expert_counts_LE = torch.stack([r.counts_E for r in routers]).detach()
         if labels_BS is None:
             return out
-        out.ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels_BS.reshape(-1))
+        logits32 = logits.float()
+        out.ce = F.cross_entropy(logits32.reshape(-1, logits.shape[-1]), labels_BS.reshape(-1))
         out.loss = out.ce
+        if self.cfg.lm_head_z_loss_coef > 0:  # keeps the output logits from drifting (reference: 1e-5)
+            out.loss = out.loss + self.cfg.lm_head_z_loss_coef * torch.logsumexp(logits32, dim=-1).square().mean()
         if routers:
             k = self.cfg.top_k
             out.lb = torch.stack([load_balance_loss(r.probs_TE, r.counts_E, k, lb_expert_weight_E)
                                   for r in routers]).mean()
-            out.z = torch.stack([router_z_loss(r.logits_TE) for r in routers]).mean()
-            out.loss = out.ce + self.cfg.lb_loss_coef * out.lb + self.cfg.z_loss_coef * out.z
+            z_L = torch.stack([router_z_loss(r.logits_TE) for r in routers])
+            out.z = z_L.sum() if self.cfg.z_loss_reduction == "sum" else z_L.mean()
+            out.loss = out.loss + self.cfg.lb_loss_coef * out.lb + self.cfg.z_loss_coef * out.z
         return out
 
     # -- experts by ownership -------------------------------------------------------------------

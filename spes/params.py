@@ -11,9 +11,11 @@ import os
 import re
 from typing import Any, Optional
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from spes.codecs import CODECS
 from spes.config import DEVICE_PATTERN, EXPERTS_IMPLS, ConfigError, OptimConfig, Params
 from spes.ownership import OwnershipError, ownership_for
 
@@ -62,7 +64,9 @@ def _check_model(p: Params) -> None:
     if m.is_moe:
         _need(1 <= m.top_k <= m.num_experts,
               f"model.top_k ({m.top_k}) must be between 1 and model.num_experts ({m.num_experts})")
-    _need(m.lb_loss_coef >= 0 and m.z_loss_coef >= 0, "model.lb_loss_coef and model.z_loss_coef must be >= 0")
+    _need(m.lb_loss_coef >= 0 and m.z_loss_coef >= 0 and m.lm_head_z_loss_coef >= 0,
+          "model.lb_loss_coef, model.z_loss_coef and model.lm_head_z_loss_coef must be >= 0")
+    _need(m.z_loss_reduction in ("sum", "mean"), f"model.z_loss_reduction must be sum|mean, got {m.z_loss_reduction!r}")
     _need(m.experts_impl in EXPERTS_IMPLS, f"model.experts_impl must be one of {EXPERTS_IMPLS}, got {m.experts_impl!r}")
 
 
@@ -75,8 +79,6 @@ def _check_training(p: Params) -> None:
     m, s = p.model, p.spes
     _need(s.method in METHODS, f"spes.method must be one of {METHODS}, got {s.method!r}")
     _need(s.num_nodes >= 1, "spes.num_nodes must be >= 1")
-    if s.method == "centralized":
-        _need(s.num_nodes == 1, f"spes.method=centralized needs spes.num_nodes=1, got {s.num_nodes}")
     if s.method == "spes":
         _need(m.is_moe, "spes.method=spes needs an MoE model (model.num_experts > 0)")
         try:  # the same function the nodes use to find their experts
@@ -110,7 +112,8 @@ def _check_stages(p: Params) -> None:
     _check_seq(d.seq_len, "dense.seq_len", p.model.max_seq_len)
     _check_optim(d.optim, "dense.optim")
     _need(d.export_arch in ("auto", "qwen3", "llama"), f"dense.export_arch must be auto|qwen3|llama, got {d.export_arch!r}")
-    _need(e.batches >= 1 and e.batch_size >= 1, "eval.batches and eval.batch_size must be >= 1")
+    _need((e.batches is None or e.batches >= 1) and e.batch_size >= 1, "eval.batches (or null) and eval.batch_size must be >= 1")
+    _need(e.every_rounds >= 0 and e.round_batches >= 1, "eval.every_rounds must be >= 0 and eval.round_batches >= 1")
     _check_seq(e.seq_len, "eval.seq_len", p.model.max_seq_len)
     _need(p.init.mode in ("scratch", "upcycle"), f"init.mode must be scratch|upcycle, got {p.init.mode!r}")
     _need(0.0 <= p.init.noise_fraction <= 1.0, "init.noise_fraction must be in [0, 1]")
@@ -128,13 +131,21 @@ def _check_orchestration(p: Params) -> None:
     _need(mn is None or 1 <= mn <= s.num_nodes, f"orchestration.min_nodes ({mn}) must be in [1, spes.num_nodes={s.num_nodes}]")
     _need(bool(DEVICE_PATTERN.match(o.device)), f"orchestration.device must be auto|cpu|cuda|cuda:K, got {o.device!r}")
     _need(o.executor in ("process", "deployment"), f"orchestration.executor must be process|deployment, got {o.executor!r}")
-    _need(o.threads_per_node >= 1, f"orchestration.threads_per_node must be >= 1, got {o.threads_per_node}")
+    _need(o.threads_per_node is None or o.threads_per_node >= 1,
+          f"orchestration.threads_per_node must be >= 1 or null, got {o.threads_per_node}")
     _need(o.node_retries >= 0, f"orchestration.node_retries must be >= 0, got {o.node_retries}")
     _need(o.round_timeout_s > 0, f"orchestration.round_timeout_s must be > 0, got {o.round_timeout_s}")
     _need(o.lock_ttl_s >= 3, f"orchestration.lock_ttl_s must be >= 3 seconds (refreshed every ttl/3), got {o.lock_ttl_s}")
     _need(bool(p.storage.url), "storage.url must not be empty")
     _need(p.storage.timeout_s > 0, f"storage.timeout_s must be > 0, got {p.storage.timeout_s}")
     _need(p.storage.retries >= 0, f"storage.retries must be >= 0, got {p.storage.retries}")
+    k = p.storage.keep_rounds
+    _need(k is None or k >= 1, f"storage.keep_rounds must be >= 1 or null, got {k}")
+    _need(p.checkpoint.every_rounds >= 1, f"checkpoint.every_rounds must be >= 1, got {p.checkpoint.every_rounds}")
+    kl = p.checkpoint.keep_last
+    _need(kl is None or kl >= 1, f"checkpoint.keep_last must be >= 1 or null, got {kl}")
+    _need(p.sync.codec in CODECS, f"sync.codec must be one of {'|'.join(CODECS)}, got {p.sync.codec!r}")
+    _need(p.sync.int8_block >= 1, f"sync.int8_block must be >= 1, got {p.sync.int8_block}")
 
 
 def validate(p: Params) -> Params:
@@ -163,7 +174,13 @@ def load_params(path: str = "params.yaml", overrides: Optional[list[str]] = None
         dotlist = OmegaConf.from_dotlist(list(overrides or []))
     except OmegaConfBaseException as e:
         raise ConfigError(f"bad override in {overrides}: {str(e).splitlines()[0]}") from None
-    return _to_params(OmegaConf.load(path), dotlist, where=f"{path}: ")
+    try:
+        loaded = OmegaConf.load(path)
+    except yaml.YAMLError as e:  # e.g. a duplicate key (two variants of one name): never silently the last
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise ConfigError(f"{path}: {getattr(e, 'problem', None) or e}{where}") from None
+    return _to_params(loaded, dotlist, where=f"{path}: ")
 
 
 def params_from_dict(d: dict) -> Params:

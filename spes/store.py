@@ -11,6 +11,7 @@ to the store's root and may not leave it. Where things live is `spes/runs/layout
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -19,12 +20,11 @@ import posixpath
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import fsspec
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 FORMAT = "spes-bundle/1"
 _CHUNK = 8 << 20
@@ -94,6 +94,7 @@ class Store:
             self.fs.retries = 1  # s3fs's own silent retries (a class attribute); ours below log each one
         self.url, self.root, self.protocol = url, root.rstrip("/") or "/", protocol
         self.retries, self.backoff_s = retries, backoff_s
+        self.bytes_read = self.bytes_written = 0  # every byte this Store moved (traffic reports)
         if protocol == "file":
             self.fs.makedirs(self.root, exist_ok=True)
 
@@ -134,10 +135,38 @@ class Store:
         return self._io(f"exists {rel}", self.fs.exists, self.path(rel))
 
     def read_bytes(self, rel: str) -> bytes:
-        return self._io(f"read {rel}", self.fs.cat_file, self.path(rel))
+        data = self._io(f"read {rel}", self.fs.cat_file, self.path(rel))
+        self.bytes_read += len(data)
+        return data
 
     def write_bytes(self, rel: str, data: bytes) -> None:
-        self._io(f"write {rel}", self.fs.pipe_file, self.path(rel), data)
+        """Replace `rel` with `data`, whole: readers see the old bytes or the new ones, never a torn mix
+        (local files: a temp file renamed over it; S3: a PUT is atomic)."""
+        if self.protocol == "file":
+            self._io(f"write {rel}", self._local_replace, self.path(rel), data)
+        else:
+            self._io(f"write {rel}", self.fs.pipe_file, self.path(rel), data)
+        self.bytes_written += len(data)
+
+    @staticmethod
+    def _local_tmp(p: str, data: bytes) -> str:
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        tmp = f"{p}.{uuid.uuid4().hex[:8]}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        return tmp
+
+    def _local_replace(self, p: str, data: bytes) -> None:
+        os.replace(self._local_tmp(p, data), p)
+
+    def _local_create(self, p: str, data: bytes) -> None:
+        """Exclusive create with its full content at once: a hard link fails if `p` exists, and `p` never
+        exists empty (an O_EXCL create would show an empty file until the write lands)."""
+        tmp = self._local_tmp(p, data)
+        try:
+            os.link(tmp, p)
+        finally:
+            os.unlink(tmp)
 
     def create_exclusive(self, rel: str, data: bytes) -> None:
         """Write `rel` only if it does not exist (FileExistsError otherwise): local O_EXCL, S3 If-None-Match.
@@ -146,8 +175,12 @@ class Store:
         self._io(f"makedirs {posixpath.dirname(rel)}", self.fs.makedirs, posixpath.dirname(p), exist_ok=True)
         for attempt in range(self.retries + 1):
             try:
-                with self.fs.open(p, "xb") as f:
-                    f.write(data)
+                if self.protocol == "file":
+                    self._local_create(p, data)
+                else:
+                    with self.fs.open(p, "xb") as f:
+                        f.write(data)
+                self.bytes_written += len(data)
                 return
             except FileExistsError:
                 if attempt > 0 and self._io(f"read {rel}", self.fs.cat_file, p) == data:
@@ -192,17 +225,27 @@ class Store:
         return self.exists(f"{rel}/COMMIT")
 
     def write_bundle(self, rel: str, files: dict[str, dict[str, torch.Tensor]], meta: dict[str, Any]) -> dict:
-        """Write safetensors files, then the manifest, then COMMIT (exclusive). A leftover uncommitted
-        attempt is replaced."""
-        self._start_bundle(rel)
-        entries = {}
+        """Write safetensors files (tensors sorted by name), then the manifest, then COMMIT (exclusive).
+        A leftover uncommitted attempt is replaced."""
+        bw = BundleWriter(self, rel)
         for fname, tensors in files.items():
-            blob = st_save({k: v.contiguous() for k, v in tensors.items()})
-            self.write_bytes(f"{rel}/{fname}", blob)
-            entries[fname] = {"sha256": sha256_bytes(blob), "bytes": len(blob),
-                              "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
-                                          for k, v in tensors.items()}}
-        return self._commit(rel, entries, meta)
+            bw.add(fname, tensors)
+        return bw.commit(meta)
+
+    @contextlib.contextmanager
+    def open_reader(self, rel: str, fname: str, entry: dict) -> Iterator["TensorReader"]:
+        """Stream one safetensors file of a committed bundle tensor by tensor; verified when the block ends."""
+        from spes.tensorio import TensorReader
+
+        try:
+            f = self._io(f"open {rel}/{fname}", self.fs.open, self.path(rel, fname), "rb")
+        except FileNotFoundError:
+            raise IntegrityError(f"{self.url}/{rel}/{fname} is missing") from None
+        with f:
+            reader = TensorReader(f, f"{self.url}/{rel}/{fname}", entry["sha256"], entry["bytes"])
+            yield reader
+            reader.finish()
+            self.bytes_read += reader.n
 
     def _start_bundle(self, rel: str) -> None:
         if self.is_committed(rel):
@@ -211,6 +254,8 @@ class Store:
         self._io(f"makedirs {rel}", self.fs.makedirs, self.path(rel), exist_ok=True)
 
     def _commit(self, rel: str, entries: dict, meta: dict[str, Any]) -> dict:
+        if not rel:
+            raise UnsafePath("a bundle needs a path")
         manifest = {"format": FORMAT, "files": entries, "meta": meta, "written_at": time.time()}
         mbytes = json.dumps(manifest, indent=1, sort_keys=True).encode()
         self.write_bytes(f"{rel}/manifest.json", mbytes)
@@ -247,8 +292,10 @@ class Store:
                                  f"({len(blob)} bytes, manifest says {entry['bytes']}); not loaded")
         return blob
 
-    def read_bundle(self, rel: str, only: Optional[list[str]] = None) -> Bundle:
-        manifest = self.read_manifest(rel)
+    def read_bundle(self, rel: str, only: Optional[list[str]] = None, manifest: Optional[dict] = None) -> Bundle:
+        """A committed bundle's safetensors files (`only` some of them), each verified against the manifest;
+        pass a `manifest` already read (and verified) to read files without fetching it again."""
+        manifest = manifest if manifest is not None else self.read_manifest(rel)
         files = {}
         for fname, entry in manifest["files"].items():
             if only is not None and fname not in only:
@@ -278,6 +325,7 @@ class Store:
 
             entries[fname] = {"sha256": self._io(f"upload {rel}/{fname}", upload), "bytes": os.path.getsize(local),
                               "raw": True}
+            self.bytes_written += entries[fname]["bytes"]
         return self._commit(rel, entries, meta)
 
     def fetch_file_bundle(self, rel: str, dest: str) -> dict:
@@ -306,6 +354,11 @@ class Store:
                 digest, n = self._io(f"download {rel}/{fname}", download)
             except FileNotFoundError:
                 raise IntegrityError(f"{self.url}/{rel}/{fname} is missing") from None
+            except BaseException:
+                if os.path.exists(part):
+                    os.remove(part)
+                raise
+            self.bytes_read += n
             if n != entry["bytes"] or digest != entry["sha256"]:
                 os.remove(part)
                 raise IntegrityError(f"{self.url}/{rel}/{fname}: sha256/size mismatch ({n} bytes, manifest says "
@@ -314,3 +367,51 @@ class Store:
         with open(os.path.join(dest, "COMPLETE"), "w") as f:
             json.dump(manifest, f)
         return manifest
+
+
+def _tensor_entry(specs, sha: str, n: int) -> dict:
+    return {"sha256": sha, "bytes": n,
+            "tensors": {name: {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
+                        for name, dtype, shape in specs}}
+
+
+class BundleWriter:
+    """Builds one bundle file by file (small files at once, big ones streamed tensor by tensor), then commits.
+
+        bw = BundleWriter(store, rel)
+        bw.add("small.safetensors", tensors)
+        with bw.stream("big.safetensors", specs) as w:   # spes.tensorio.TensorWriter
+            for name, ... : w.write(name, tensor)
+        bw.commit(meta)
+    """
+
+    def __init__(self, store: Store, rel: str):
+        self.store, self.rel, self.entries = store, rel, {}
+        store._start_bundle(rel)
+
+    def add(self, fname: str, tensors: dict[str, torch.Tensor]) -> dict:
+        from spes.tensorio import spec_of, write_tensors
+
+        def write():
+            with self.store.fs.open(self.store.path(self.rel, fname), "wb") as f:
+                return write_tensors(f, tensors)
+
+        sha, n = self.store._io(f"write {self.rel}/{fname}", write)
+        self.store.bytes_written += n
+        self.entries[fname] = _tensor_entry([spec_of(k, tensors[k]) for k in sorted(tensors)], sha, n)
+        return self.entries[fname]
+
+    @contextlib.contextmanager
+    def stream(self, fname: str, specs) -> Iterator["TensorWriter"]:
+        from spes.tensorio import TensorWriter
+
+        specs = list(specs)
+        with self.store.fs.open(self.store.path(self.rel, fname), "wb") as f:
+            w = TensorWriter(f, specs)
+            yield w
+            sha, n = w.close()
+        self.store.bytes_written += n
+        self.entries[fname] = _tensor_entry(specs, sha, n)
+
+    def commit(self, meta: dict[str, Any]) -> dict:
+        return self.store._commit(self.rel, self.entries, meta)

@@ -8,7 +8,9 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import sysconfig
+import uuid
 from typing import Iterator, Optional
 
 import numpy as np
@@ -92,6 +94,18 @@ def load_hf_tokenizer(name_or_file: str):
                 tok.eos_token = eos
         return tok
     return AutoTokenizer.from_pretrained(name_or_file)
+
+
+def replace_folder(new: str, final: str) -> None:
+    """Swap a completely written folder in for `final` (two renames; the old one is removed after), so a
+    failed run never leaves `final` half-written or with a tokenizer that does not match its shards."""
+    old = None
+    if os.path.exists(final):
+        old = f"{final}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(final, old)
+    os.rename(new, final)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def tokenize_corpus(docs: list[str], out_dir: str, vocab_size: int, tokenizer: Optional[str],

@@ -52,7 +52,7 @@ class NodeTrainer:
             model.set_trainable_experts(self.owned, frozen_dtype)
         decay, no_decay = [], []
         for _, p in self.trainable_named_parameters():
-            (decay if p.ndim >= 2 else no_decay).append(p)
+            (decay if p.ndim >= 2 or optim.decay_norms else no_decay).append(p)
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=1e-8)
@@ -132,5 +132,5 @@ def build_node_trainer(s: SpesConfig, model: CausalLM, node: int) -> NodeTrainer
     """The trainer of node `node` under the run's settings: its own experts (by `spes.ownership` or contiguous
     blocks; every expert for the baselines) trainable, the others frozen in `spes.frozen_dtype`."""
     cfg = model.cfg
-    own = ownership_for(s.method, cfg.num_experts, s.num_nodes, s.ownership).owned(node) if cfg.is_moe else ()
+    own = ownership_for(s.method, cfg.num_experts, s.nodes, s.ownership).owned(node) if cfg.is_moe else ()
     return NodeTrainer(model, own, s.optim, s.total_steps, FROZEN_DTYPES[s.frozen_dtype], s.decayed_lb, s.autocast)

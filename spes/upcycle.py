@@ -14,8 +14,10 @@ import torch
 from spes.config import ModelConfig
 from spes.model import CausalLM
 
-MOE_FIELDS = ("num_experts", "top_k", "norm_topk_prob", "lb_loss_coef", "z_loss_coef", "experts_impl")
-"""What upcycling adds to a dense architecture; every other field must agree with the dense model."""
+MOE_FIELDS = ("num_experts", "top_k", "norm_topk_prob", "lb_loss_coef", "z_loss_coef", "z_loss_reduction",
+              "lm_head_z_loss_coef", "experts_impl")
+"""What upcycling adds to a dense architecture (and training-only settings a checkpoint does not carry);
+every other field must agree with the dense model."""
 
 
 class UpcycleError(ValueError):

@@ -36,7 +36,27 @@ def write_json(path: str, obj) -> None:
 
 
 def prefect_env_defaults() -> None:
-    """Ephemeral Prefect (no PREFECT_API_URL) needs more than the default 20 s to start on small machines."""
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    """Quiet, local Prefect defaults for the stages (no analytics; INFO logs)."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+
+
+def run(main) -> None:
+    """Run a stage's main: the errors that describe bad input end the stage with one line on stderr
+    (exit 1), not a traceback."""
+    from spes.data import DataError
+    from spes.devices import DeviceError
+    from spes.hf import HFConversionError
+    from spes.store import StoreError
+    from spes.tokenization import CorpusError
+    from spes.upcycle import UpcycleError
+
+    name = os.path.basename(sys.argv[0]).removesuffix(".py") if sys.argv and sys.argv[0] else "stage"
+    try:
+        main()
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+    except (DataError, DeviceError, HFConversionError, StoreError, CorpusError, UpcycleError) as e:
+        print(f"{name}: {type(e).__name__}: {e}", file=sys.stderr)
+        raise SystemExit(1)

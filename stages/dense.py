@@ -9,7 +9,7 @@ import os
 import shutil
 import time
 
-from stages.common import out_dir, parse, write_json
+from stages.common import out_dir, parse, run, write_json
 
 DENSE_STREAM = 10_000
 """The dense run's data stream id: apart from the SPES nodes' streams (0..num_nodes-1)."""
@@ -59,4 +59,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -1,14 +1,23 @@
-"""DVC stage `evaluate`: held-out loss of every committed round (vs the untrained model), HF export with the
-tokenizer and a logit-parity check, optional lm-eval tasks; writes metrics.json and plot CSVs."""
+"""DVC stage `evaluate`: held-out loss of the final model (and of round 0 and an untrained model), the curve
+of held-out loss per round from the round records, HF export with the tokenizer and a logit-parity check,
+optional lm-eval tasks; writes metrics.json and plot CSVs."""
 from __future__ import annotations
 
 import csv
 import os
 
-from stages.common import out_dir, parse, write_json
+from stages.common import out_dir, parse, run, write_json
 
 UNTRAINED_SEED_OFFSET = 1
 """The untrained reference model is a fresh init with seed init.seed + 1, not the run's own init."""
+
+
+def _write_csv(path: str, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        if rows:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
 
 
 def main() -> None:
@@ -19,31 +28,37 @@ def main() -> None:
     from spes.devices import resolve_device
     from spes.evaluation import heldout_loss, run_lm_eval
     from spes.hf import export_hf, to_hf
-    from spes.rounds import load_global
     from spes.runs import Run
     from spes.store import Store
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     d = out_dir(p, "eval")
-    e, run = p.eval, p.orchestration.run_name
+    e = p.eval
+    run = Run(Store.from_config(p.storage), p.orchestration.run_name)
     data = TokenData.open(os.path.join(p.artifacts_dir, "tokens"))
-    store = Store.from_config(p.storage)
-    rounds = Run(store, run).committed_rounds()
+    rounds = run.committed_rounds()
     if not rounds:
-        raise SystemExit(f"evaluate: run {run!r} has no committed rounds on {store.url}")
+        raise SystemExit(f"evaluate: run {run.name!r} has no committed rounds on {run.store.url}")
     device = resolve_device(p.orchestration.device)
-    per_round, node_rows = [], []
-    model = None
-    for r in rounds:
-        model, manifest, _ = load_global(store, run, r)
-        ev = heldout_loss(model.to(device), data.val, e.batch_size, e.seq_len, e.batches)
-        per_round.append({"round": r, "step": manifest["meta"]["step"], "heldout_loss": ev["loss"]})
-        for node, loss in manifest["meta"].get("node_loss", {}).items():
-            node_rows.append({"round": r, "node": int(node), "train_loss": loss})
+
+    def evaluate(model):
+        return heldout_loss(model.to(device), data.val, e.batch_size, e.seq_len, e.batches)
+
+    initial = evaluate(run.load_model(0)[0])["loss"]
+    model, manifest = run.load_model(rounds[-1])
+    final = evaluate(model)
     torch.manual_seed(p.init.seed + UNTRAINED_SEED_OFFSET)
-    untrained = heldout_loss(model.cfg.build().to(device), data.val, e.batch_size, e.seq_len, e.batches)["loss"]
-    final = heldout_loss(model, data.val, e.batch_size, e.seq_len, e.batches)
+    untrained = evaluate(model.cfg.build())["loss"]
     model.to("cpu")
+
+    per_round, node_rows, tokens = [], [], 0
+    for rec in run.records(1, rounds[-1]):
+        tokens += rec.get("tokens", 0)
+        if rec.get("heldout_loss") is not None:
+            per_round.append({"round": rec["round"], "step": rec["aggregate"]["step"], "tokens": tokens,
+                              "heldout_loss": rec["heldout_loss"]})
+        for node, loss in rec["aggregate"].get("node_loss", {}).items():
+            node_rows.append({"round": rec["round"], "node": int(node), "train_loss": loss})
 
     hf_dir = os.path.join(d, "hf")
     export_hf(model, hf_dir, os.path.join(p.artifacts_dir, "tokens", "tokenizer.json"))
@@ -51,19 +66,15 @@ def main() -> None:
     with torch.no_grad():
         parity = (to_hf(model)(x).logits - model(x).logits).abs().max().item()
     metrics = {"final_round": rounds[-1], "heldout_loss": final["loss"], "heldout_perplexity": final["perplexity"],
-               "untrained_heldout_loss": untrained, "initial_heldout_loss": per_round[0]["heldout_loss"],
-               "hf_max_abs_logit_diff": parity, "eval_tokens": final["tokens"]}
+               "untrained_heldout_loss": untrained, "initial_heldout_loss": initial,
+               "hf_max_abs_logit_diff": parity, "eval_tokens": final["tokens"], "train_tokens": tokens}
     if e.lm_eval_tasks:
         metrics["lm_eval"] = run_lm_eval(hf_dir, list(e.lm_eval_tasks), e.lm_eval_include, e.lm_eval_limit)
     write_json(os.path.join(d, "metrics.json"), metrics)
-    for name, rows in (("heldout_loss.csv", per_round), ("node_loss.csv", node_rows)):
-        with open(os.path.join(d, name), "w", newline="") as f:
-            if rows:
-                w = csv.DictWriter(f, fieldnames=list(rows[0]))
-                w.writeheader()
-                w.writerows(rows)
+    _write_csv(os.path.join(d, "heldout_loss.csv"), per_round)
+    _write_csv(os.path.join(d, "node_loss.csv"), node_rows)
     print(f"evaluate: {metrics}")
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

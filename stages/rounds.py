@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
-from stages.common import out_dir, prefect_env_defaults, write_json
+from stages.common import out_dir, prefect_env_defaults, run, write_json
 
 
 def main() -> None:
@@ -20,17 +20,19 @@ def main() -> None:
     a, p = parse(__doc__)
     prefect_env_defaults()
     from pipelines.node_pool import POOL
-    from pipelines.training import spes_training
-    from spes.runs import Run
-    from spes.store import Store
+    from pipelines.prefect_api import prefect_api
 
     if p.orchestration.executor == "process":
-        POOL.start(range(p.spes.num_nodes))  # node processes start while Prefect's (ephemeral) server does
+        POOL.start(range(p.spes.nodes))  # node processes start while the Prefect server does
+    with prefect_api():  # PREFECT_API_URL, or a local server that dies with this process
+        from pipelines.training import spes_training
+        from spes.runs import Run
+        from spes.store import Store
 
-    out = spes_training(params_path=a.params, overrides=a.overrides, stage=stage,
-                        run_name=p.orchestration.run_name,
-                        init_path=os.path.join(p.artifacts_dir, "init", "model.safetensors"),
-                        on_mismatch="restart" if stage == "warmup" else "error")
+        out = spes_training(params_path=a.params, overrides=a.overrides, stage=stage,
+                            run_name=p.orchestration.run_name,
+                            init_path=os.path.join(p.artifacts_dir, "init", "model.safetensors"),
+                            on_mismatch="restart" if stage == "warmup" else "error")
     # the stage's rounds as committed on storage, whether run now or by an earlier (resumed) invocation
     first, last = (1, p.spes.warmup_rounds) if stage == "warmup" else (p.spes.warmup_rounds + 1, p.spes.rounds)
     rounds = Run(Store.from_config(p.storage), out["run"]).records(first, last)
@@ -38,9 +40,17 @@ def main() -> None:
                "rounds_run_now": [r["round"] for r in out["rounds"]]}
     walls = [r["wall_s"] for r in rounds]
     computes = [r["max_node_compute_s"] for r in rounds]
+    node_rows = [n for r in rounds for n in r["nodes"] if n.get("status") == "ok"]
+
+    def mean(key):
+        return sum(n.get(key, 0) for n in node_rows) / len(node_rows) if node_rows else 0.0
+
+    run = Run(Store.from_config(p.storage), out["run"])
     metrics = {"last_round": out["latest_committed"], "rounds_recorded": len(rounds),
                "round_wall_s_mean": sum(walls) / len(walls) if walls else 0.0,
-               "orchestration_overhead": (1 - sum(computes) / sum(walls)) if walls else 0.0}
+               "orchestration_overhead": (1 - sum(computes) / sum(walls)) if walls else 0.0,
+               "bytes_up_per_node_round": mean("bytes_up"), "bytes_down_per_node_round": mean("bytes_down"),
+               "storage_bytes": run.store.size_of(run.layout.base)}
     d = out_dir(p, stage)
     write_json(os.path.join(d, "summary.json"), summary)
     write_json(os.path.join(d, "metrics.json"), metrics)
@@ -48,4 +58,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

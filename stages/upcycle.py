@@ -5,7 +5,7 @@ import dataclasses
 import json
 import os
 
-from stages.common import out_dir, parse, write_json
+from stages.common import out_dir, parse, run, write_json
 
 
 def main() -> None:
@@ -28,6 +28,9 @@ def main() -> None:
     torch.manual_seed(p.init.seed)
     if p.init.mode == "scratch":
         model, source = p.model.build(), "scratch"
+        with torch.no_grad():  # the router gets init.router_init_std, as an upcycled one does (0 = zeros)
+            for moe in model.moe_layers():
+                moe.gate.weight.normal_(0.0, p.init.router_init_std) if p.init.router_init_std > 0 else moe.gate.weight.zero_()
     else:
         source = p.init.dense_checkpoint or os.path.join(p.artifacts_dir, "dense", "hf")
         try:
@@ -49,4 +52,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

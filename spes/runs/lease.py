@@ -88,8 +88,9 @@ class WriterLease:
                 return top, json.loads(self.store.read_bytes(self.layout.lease_file(top)))
             except FileNotFoundError:
                 continue
-            except ValueError:  # a torn write of a crashed holder: nobody holds it
-                return top, {"released": True}
+            except ValueError:  # lease files are written whole (Store.write_bytes): this one was damaged
+                raise RunLocked(f"{self.store.url}/{self.layout.lease_file(top)} is not a readable lease; if no "
+                                "writer is active, delete it and run again") from None
         raise RunLocked(f"run {self.layout.run!r}: the lease folder keeps changing; another writer is active")
 
     def _locked_error(self, held: dict) -> RunLocked:

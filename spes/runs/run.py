@@ -15,19 +15,19 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from safetensors.torch import load_file
-from safetensors.torch import save as st_save
 
 from spes.config import ModelConfig, Params
 from spes.model import canonical_shapes
 from spes.params import to_dict
 from spes.runs.layout import MODEL_FILE, RunLayout
-from spes.store import NotCommitted, Store, StoreError, sha256_bytes
+from spes.store import NotCommitted, Store, StoreError
+from spes.tensorio import tensors_sha256
 
-FINGERPRINT_SECTIONS = ("model", "init", "spes", "tokenize", "dense")
+FINGERPRINT_SECTIONS = ("model", "init", "spes", "sync", "tokenize", "dense")
 NOT_IN_FINGERPRINT = {"model": ("experts_impl",)}
 """Implementation choices that leave the maths alone, like the device and storage placement."""
 log = logging.getLogger("spes.runs")
@@ -67,8 +67,9 @@ class InitModel:
     source: str
 
     @property
-    def blob(self) -> bytes:
-        return st_save({k: v.contiguous() for k, v in self.tensors.items()})
+    def sha256(self) -> str:
+        """The sha256 of round 0's model file once committed (bundles write tensors sorted by name)."""
+        return tensors_sha256(self.tensors)
 
     @classmethod
     def from_state(cls, tensors: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> "InitModel":
@@ -113,7 +114,7 @@ class Run:
         """Make the run exist with this identity: round 0 from `init` (or already committed by whoever
         started the run), the info bundle; refuse, or with on_mismatch='restart' set aside, a run made with
         other settings or another initial model."""
-        init_sha = sha256_bytes(init.blob) if init is not None else None
+        init_sha = init.sha256 if init is not None else None
         info = self.info()
         if info is not None:
             same = info["fingerprint"] == fingerprint and init_sha in (None, info["init_sha256"])
@@ -143,24 +144,91 @@ class Run:
         rounds = self.committed_rounds()
         return rounds[-1] if rounds else None
 
-    def resolve_start(self, resume_round: Union[int, str, None]) -> int:
-        """The first round to run: after the latest committed round, or after `resume_round` (whose later
-        rounds are set aside so they can be recomputed)."""
+    def node_states(self, r: int) -> dict[int, dict]:
+        """The node states global r was built with: node -> {round, digest, checkpoint}."""
+        meta = self.store.read_manifest(self.layout.global_dir(r))["meta"]
+        return {int(i): ref for i, ref in meta.get("node_states", {}).items()}
+
+    def _checkpointed(self, node: int, ref: dict) -> bool:
+        from spes.node_state import state_digest
+
+        if not ref.get("checkpoint"):
+            return False
+        try:
+            return state_digest(self.store.read_manifest(self.layout.state_dir(int(ref["round"]), node))) == ref["digest"]
+        except NotCommitted:
+            return False
+
+    def resumable_rounds(self, has_local_state: Optional[Callable[[int, dict], bool]] = None) -> list[int]:
+        """Committed rounds every node can continue from: each node's state that round's global was built
+        with is checkpointed on shared storage, or (when `has_local_state` can tell) in the node's own folder.
+        Without `has_local_state` (nodes on other machines) the latest round counts as resumable: nodes keep
+        their latest state; one that lacks it fails with a message naming what is missing."""
+        committed = self.committed_rounds()
+        out = []
+        for r in committed:
+            refs = self.node_states(r)
+            ok = all(self._checkpointed(i, ref) or (has_local_state is not None and has_local_state(i, ref))
+                     for i, ref in refs.items())
+            if ok or (has_local_state is None and r == committed[-1]):
+                out.append(r)
+        return out
+
+    def resolve_start(self, resume_round: Union[int, str, None],
+                      has_local_state: Optional[Callable[[int, dict], bool]] = None) -> int:
+        """The first round to run: after the latest resumable round (None / 'latest'), or after
+        `resume_round`; later committed rounds are set aside so they are recomputed."""
         committed = self.committed_rounds()
         if not committed:
             raise StoreError(f"run {self.name!r} has no committed round on {self.store.url}")
+        resumable = self.resumable_rounds(has_local_state)
         if resume_round in (None, "latest"):
-            return committed[-1] + 1
-        try:
-            k = int(resume_round)
-        except (TypeError, ValueError):
-            raise StoreError(f"resume_round must be 'latest' or a round number, got {resume_round!r}") from None
-        if k not in committed:
-            raise StoreError(f"run {self.name!r}: round {k} is not committed (committed: {committed})")
+            k = resumable[-1]
+            if k != committed[-1]:
+                log.warning("run %s: continuing from round %d, the latest resumable one (rounds %s lack node "
+                            "states: not checkpointed, not on the nodes)", self.name, k, [c for c in committed if c > k])
+        else:
+            try:
+                k = int(resume_round)
+            except (TypeError, ValueError):
+                raise StoreError(f"resume_round must be 'latest' or a round number, got {resume_round!r}") from None
+            if k not in committed:
+                raise StoreError(f"run {self.name!r}: round {k} is not committed (committed: {committed})")
+            if k not in resumable:
+                raise StoreError(f"run {self.name!r}: round {k} is not resumable: some node's state after it is "
+                                 f"neither checkpointed nor on its node (resumable: {resumable})")
         moved = self.supersede_after(k)
         if moved:
             log.warning("resuming from round %d: rounds %s moved to %s/superseded/", k, moved, self.layout.base)
+        log.info("run %s: resuming after round %d", self.name, k)
         return k + 1
+
+    def prune(self, keep_rounds: Optional[int], keep_checkpoints: Optional[int] = None) -> list[int]:
+        """Retention (storage.keep_rounds): the last `keep_rounds` committed rounds stay whole (their deltas
+        refer to the node uploads of the round); round 0 and the rounds a resume can start from from shared
+        storage (the last `keep_checkpoints` of them, or all) keep their global and the node states they
+        need; every other round keeps only its record. Returns the rounds whose model was deleted."""
+        if keep_rounds is None:
+            return []
+        committed = self.committed_rounds()
+        window = set(committed[-keep_rounds:])
+        from_storage = [r for r in self.resumable_rounds(lambda i, ref: False) if r > 0]
+        from_storage = set(from_storage[-keep_checkpoints:] if keep_checkpoints else from_storage) | {0}
+        keep = window | from_storage
+        needed_states = {(int(ref["round"]), i) for r in keep for i, ref in self.node_states(r).items()
+                         if ref.get("checkpoint")}
+        dropped = []
+        for r in committed:
+            if r not in window:
+                self.store.remove(self.layout.delta_dir(r))
+                self.store.remove(f"{self.layout.round_dir(r)}/nodes")
+            for name in self.store.list_names(f"{self.layout.round_dir(r)}/states"):
+                if name.isdigit() and (r, int(name)) not in needed_states and r not in window:
+                    self.store.remove(self.layout.state_dir(r, int(name)))
+            if r not in keep:
+                self.store.remove(self.layout.global_dir(r))
+                dropped.append(r)
+        return dropped
 
     def supersede_after(self, r: int, include_info: bool = False) -> list[int]:
         """Move rounds > r aside (never deleted) so a resume from r can rewrite them."""
@@ -174,6 +242,13 @@ class Run:
         if include_info and self.store.exists(self.layout.info):
             self.store.move(self.layout.info, f"{dest}/info")
         return sorted(moved)
+
+    def load_model(self, r: int):
+        """Global round r as a model (config from the round's meta), and its manifest."""
+        b = self.store.read_bundle(self.layout.global_dir(r), only=[MODEL_FILE])
+        model = ModelConfig(**b.meta["model_config"]).build()
+        model.load_canonical_state_dict(b.files[MODEL_FILE])
+        return model, b.manifest
 
     # -- records -----------------------------------------------------------------------------------
     def write_record(self, r: int, record: dict) -> None:

@@ -1,6 +1,8 @@
-"""The whole chain through real DVC and real (ephemeral) Prefect on a tiny config: tokenize -> dense ->
-upcycle -> warmup -> train -> evaluate; then a second `dvc repro` is a no-op, and a forced re-run of a
-rounds stage reports the rounds already committed on storage."""
+"""The whole chain through real DVC and real (local) Prefect on a tiny config: tokenize -> dense ->
+upcycle -> warmup -> train -> evaluate; then a second `dvc repro` is a no-op, a forced re-run of a
+rounds stage reports the rounds already committed on storage, and the comparison pipeline
+(`dvc repro compare/dvc.yaml`) on two variants reports exactly what its runs measured."""
+import csv
 import json
 import os
 import shutil
@@ -18,6 +20,7 @@ TINY = {
     "spes": {"sync_steps": 4, "warmup_rounds": 1, "rounds": 2, "batch_size": 4, "seq_len": 32,
              "merge": {"interval": 4, "decay_steps": 50, "top_k": 2}},
     "eval": {"batches": 2, "batch_size": 4, "seq_len": 32},
+    "compare": {"variants": {"spes": [], "centralized": ["spes.method=centralized"]}, "seeds": [0]},
 }
 
 
@@ -30,10 +33,12 @@ def _merge(a, b):
 def test_dvc_repro_end_to_end(tmp_path):
     proj = tmp_path / "proj"
     proj.mkdir()
-    for d in ("spes", "stages", "pipelines"):
+    for d in ("spes", "stages", "pipelines", "compare"):
         shutil.copytree(os.path.join(ROOT, d), proj / d, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(os.path.join(ROOT, "dvc.yaml"), proj)
     params = _merge(yaml.safe_load(open(os.path.join(ROOT, "params.yaml"))), TINY)
+    params["orchestration"]["node_cache_dir"] = str(tmp_path / "node-cache")
+    params["compare"]["variants"] = TINY["compare"]["variants"]  # replaced, not merged
     (proj / "params.yaml").write_text(yaml.safe_dump(params))
     env = dict(os.environ, PYTHONPATH=str(proj), PREFECT_HOME=str(tmp_path / "prefect"),
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
@@ -41,6 +46,7 @@ def test_dvc_repro_end_to_end(tmp_path):
     dvc = [sys.executable, "-m", "dvc"]
     for cmd in (["git", "init", "-q"], dvc + ["init", "-q"], dvc + ["config", "core.analytics", "false"]):
         subprocess.run(cmd, cwd=proj, env=env, check=True)
+    shutil.copytree(os.path.join(ROOT, ".dvc", "plots"), proj / ".dvc" / "plots")
     r = subprocess.run(dvc + ["repro"], cwd=proj, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     m = json.load(open(proj / "artifacts/eval/metrics.json"))
@@ -58,3 +64,19 @@ def test_dvc_repro_end_to_end(tmp_path):
     assert forced.returncode == 0, forced.stdout[-3000:] + forced.stderr[-3000:]
     after = json.load(open(proj / "artifacts/train/summary.json"))
     assert before["rounds_run_now"] == [2] and after["rounds_run_now"] == [] and after["rounds"] == before["rounds"]
+    assert not (proj / "artifacts/compare").exists()  # the main pipeline does not run the comparison
+
+    cmp = subprocess.run(dvc + ["repro", "compare/dvc.yaml"], cwd=proj, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert cmp.returncode == 0, cmp.stdout[-3000:] + cmp.stderr[-3000:]
+    runs = {v: json.load(open(proj / f"artifacts/compare/runs/{v}-0-0.002-1/result.json")) for v in ("spes", "centralized")}
+    rows = {r["variant"]: r for r in csv.DictReader(open(proj / "artifacts/compare/report.csv"))}
+    for v, res in runs.items():
+        assert float(rows[v]["heldout_loss_mean"]) == res["heldout_loss"] and rows[v]["seeds"] == "1"
+        assert float(rows[v]["bytes_per_node_per_round"]) == res["bytes_per_node_per_round"] > 0
+        assert int(rows[v]["tokens"]) == res["tokens"] == 2 * 4 * 32 * 4 * 2  # nodes x batch x seq x steps x rounds
+    assert float(rows["spes"]["ratio_to_centralized"]) == runs["spes"]["heldout_loss"] / runs["centralized"]["heldout_loss"]
+    assert int(rows["centralized"]["trainable_params_per_node"]) > int(rows["spes"]["trainable_params_per_node"])
+    assert "| centralized | 1 | 0.002 |" in (proj / "artifacts/compare/report.md").read_text()
+    plots = subprocess.run(dvc + ["plots", "show", "--json"], cwd=proj, env=env, capture_output=True, text=True)
+    assert plots.returncode == 0 and "spes (1x)" in plots.stdout and "centralized (1x)" in plots.stdout

@@ -1,14 +1,15 @@
 """The training flow through real Prefect, node processes and storage: resume, faults, quorum, locks, S3."""
 import glob
+import shutil
 
 import pytest
 import torch
 import yaml
 
 from spes.params import load_params
-from spes.rounds import load_global
+from spes.aggregate import weighted_sum
 from spes.runs import Run, RunLocked, WriterLease
-from spes.store import Store
+from spes.store import Store, StoreError
 from tests.pipelines.tiny_project import assert_same, final_weights, init_run, make_project
 
 
@@ -44,17 +45,30 @@ def reference(project, prefect_server):
     return final_weights(pfile, "ref")
 
 
-def test_resume_equals_uninterrupted(project, reference):
+def test_resume_from_a_checkpoint_round_equals_uninterrupted(project, reference):
+    """The warmup stage's last round is a checkpoint round: node states on shared storage. With the nodes'
+    own folders gone (a new machine), the run resumes from it, bit for bit."""
     pfile = params_file(project)
     init_run(pfile, "resumed")
     assert train(pfile, "resumed", stage="warmup")["latest_committed"] == 2
-    train(pfile, "resumed", stage="train", resume_round="latest")
+    shutil.rmtree(project / "node-cache" / "state")
+    out = train(pfile, "resumed", stage="train", resume_round="latest")
+    assert out["first_round"] == 3
     assert_same(final_weights(pfile, "resumed"), reference)
-    # resume from an earlier committed round: later rounds are set aside, recomputed identically
-    out = train(pfile, "resumed", resume_round=1)
+    with pytest.raises(StoreError, match=r"round 1 is not resumable.*\(resumable: \[0, 2, 3\]\)"):
+        train(pfile, "resumed", resume_round=1)
+
+
+def test_resume_from_a_local_state_round_equals_uninterrupted(project, reference):
+    """Round 1 is no checkpoint round: the node states it needs are on the nodes; later rounds are set aside
+    and recomputed identically."""
+    pfile = params_file(project)
+    init_run(pfile, "local")
+    train(pfile, "local")
+    out = train(pfile, "local", resume_round=1)
     assert out["first_round"] == 2
-    assert_same(final_weights(pfile, "resumed"), reference)
-    assert glob.glob(str(project / "storage/runs/resumed/superseded/*/000003"))
+    assert_same(final_weights(pfile, "local"), reference)
+    assert glob.glob(str(project / "storage/runs/local/superseded/*/000003"))
 
 
 def test_sigkilled_node_is_retried_and_result_unchanged(project, reference, monkeypatch):
@@ -71,23 +85,23 @@ def test_straggler_left_out_with_quorum(project, prefect_server, monkeypatch):
     nodes present, its expert keeps its previous value, and it rejoins in round 3."""
     pfile = params_file(project)
     overrides = ["spes.num_nodes=3", "spes.ownership=[[0,1],[2],[3]]", "orchestration.round_timeout_s=12",
-                 "orchestration.min_nodes=2", "spes.merge.enabled=false"]
+                 "orchestration.min_nodes=2", "spes.merge.enabled=false", "storage.keep_rounds=null"]
     init_run(pfile, "straggler", overrides)
     monkeypatch.setenv("SPES_FAULT_PLAN", '{"slow": {"round": 2, "node": 1, "seconds": 20}}')
     out = train(pfile, "straggler", overrides=overrides)
     agg2 = out["rounds"][1]["aggregate"]
     assert agg2["contributors"] == [0, 2] and agg2["missing"] == [1]
-    store = Store.from_config(load_params(pfile, overrides).storage)
-    r1 = load_global(store, "straggler", 1)[0].canonical_state_dict()
-    r2 = load_global(store, "straggler", 2)[0].canonical_state_dict()
-    up0, up2 = (store.read_bundle(f"runs/straggler/rounds/000002/nodes/{i:03d}").files["upload.safetensors"]
-                for i in (0, 2))
+    run = Run(Store.from_config(load_params(pfile, overrides).storage), "straggler")
+    r1, r2 = (run.load_model(r)[0].canonical_state_dict() for r in (1, 2))
+    up0, up2 = (run.store.read_bundle(run.layout.node_dir(2, i)).files for i in (0, 2))
     for k in r2:
         if ".experts." in k:
             assert torch.equal(r2[k][2], r1[k][2])  # node 1's expert keeps its previous value
-            assert torch.equal(r2[k][:2], up0[k]) and torch.equal(r2[k][3:], up2[k])
-        else:  # shared params: mean over the nodes present (0 and 2)
-            assert torch.equal(r2[k], ((up0[k].double() + up2[k].double()) / 2).float()), k
+            assert torch.equal(r2[k][:2], r1[k][:2] + up0["experts.safetensors"][k])
+            assert torch.equal(r2[k][3:], r1[k][3:] + up2["experts.safetensors"][k])
+        else:  # shared params: previous + mean of the deltas of the nodes present (0 and 2)
+            mean = weighted_sum([up0["shared.safetensors"][k], up2["shared.safetensors"][k]], [0.5, 0.5])
+            assert torch.equal(r2[k], r1[k] + mean), k
     assert out["rounds"][2]["aggregate"]["contributors"] == [0, 1, 2]  # node 1 rejoins in round 3
 
 

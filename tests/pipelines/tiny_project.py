@@ -5,7 +5,6 @@ import torch
 import yaml
 
 from spes.params import load_params
-from spes.rounds import load_global
 from spes.runs import InitModel, Run, settings_fingerprint
 from spes.store import Store
 
@@ -23,6 +22,7 @@ INIT_SEED = 0
 def make_project(root, tokens: str) -> None:
     shutil.copytree(tokens, root / "artifacts" / "tokens")
     p = dict(PARAMS, artifacts_dir=str(root / "artifacts"), storage={"url": str(root / "storage")})
+    p["orchestration"] = dict(PARAMS["orchestration"], node_cache_dir=str(root / "node-cache"))
     (root / "params.yaml").write_text(yaml.safe_dump(p))
 
 
@@ -36,7 +36,7 @@ def init_run(pfile, run, overrides=()) -> None:
 
 def final_weights(pfile, run, r=3):
     p = load_params(pfile)
-    return load_global(Store.from_config(p.storage), run, r)[0].canonical_state_dict()
+    return Run(Store.from_config(p.storage), run).load_model(r)[0].canonical_state_dict()
 
 
 def assert_same(a, b) -> None:

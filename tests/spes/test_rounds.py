@@ -1,70 +1,205 @@
-"""A round as library calls against a local Store, no Prefect: node rounds, aggregation, quorum, retries."""
+"""Rounds as library calls against a local Store, no Prefect: node rounds, aggregation, codecs, node state,
+quorum, rejected uploads, retries."""
 import pytest
 import torch
 
+from spes.aggregate import weighted_sum
+from spes.aggregator import QuorumError, UploadsRejected, aggregate_round
+from spes.codecs import make_codec
 from spes.config import Params
 from spes.data import TokenData
-from spes.rounds import aggregate_round, latest_node_state, load_global, node_round
-from spes.runs import MODEL_FILE, UPLOAD_FILE, InitModel, Run, settings_fingerprint
-from spes.store import Store, StoreError
+from spes.node_round import NonFiniteLoss, node_round, node_state_root
+from spes.node_state import NodeStateDir, NodeStateError
+from spes.runs import MODEL_FILE, InitModel, Run, settings_fingerprint
+from spes.store import Store
+from spes.sync import EXPERTS_FILE, SHARED_FILE, apply_delta, delta_files
+from spes.tensorio import tensors_sha256
 from tests.conftest import tiny_config
 
 
-def _params(tmp_path) -> Params:
+def make_params(tmp_path, name="s", **sync) -> Params:
     p = Params(model=tiny_config(vocab_size=512))
-    p.spes.num_nodes, p.spes.sync_steps, p.spes.rounds, p.spes.batch_size, p.spes.seq_len = 2, 2, 3, 2, 16
-    p.spes.merge.enabled = False
-    p.storage.url, p.orchestration.device = str(tmp_path / "storage"), "cpu"
+    s = p.spes
+    s.num_nodes, s.sync_steps, s.rounds, s.batch_size, s.seq_len = 2, 2, 4, 2, 16
+    s.merge.interval, s.merge.decay_steps, s.merge.top_k = 4, 100, 2  # merging at round 2 (step 4)
+    for k, v in sync.items():
+        setattr(p.sync, k, v)
+    p.storage.url, p.orchestration.device = str(tmp_path / f"{name}-storage"), "cpu"
+    p.orchestration.node_state_dir = str(tmp_path / f"{name}-nodes")
     return p
 
 
-@pytest.fixture
-def setup(tmp_path, tiny_tokens):
-    p = _params(tmp_path)
+def start(p: Params) -> Run:
     store = Store.from_config(p.storage)
     torch.manual_seed(0)
-    Run(store, "r").ensure(settings_fingerprint(p), InitModel.from_state(p.model.build().canonical_state_dict(),
-                                                                        p.model, "scratch"))
-    return p, store, TokenData.open(tiny_tokens)
+    run = Run(store, "r")
+    run.ensure(settings_fingerprint(p), InitModel.from_state(p.model.build().canonical_state_dict(), p.model, "x"))
+    return run
 
 
-def test_one_round_exact_aggregation(setup):
-    p, store, data = setup
-    metas = [node_round(p, store, "r", 1, i, data) for i in (0, 1)]
-    assert [m["experts"] for m in metas] == [[0, 1], [2, 3]] and all(m["bytes_up"] > 0 for m in metas)
-    agg = aggregate_round(p, store, "r", 1)
-    assert agg["contributors"] == [0, 1] and agg["missing"] == []
-    ups = [store.read_bundle(f"runs/r/rounds/000001/nodes/{i:03d}").files[UPLOAD_FILE] for i in (0, 1)]
-    new = load_global(store, "r", 1)[0].canonical_state_dict()
+def do_round(p, run, data, r, nodes=(0, 1), **kw):
+    metas = [node_round(p, run.store, "r", r, i, data) for i in nodes]
+    return metas, aggregate_round(p, run.store, "r", r, **kw)
+
+
+@pytest.fixture(scope="module")
+def data(tiny_tokens):
+    return TokenData.open(tiny_tokens)
+
+
+def _global(run, r):
+    return run.store.read_bundle(run.layout.global_dir(r)).files[MODEL_FILE]
+
+
+@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8"])
+def test_every_node_rebuilds_the_committed_global_bit_for_bit(tmp_path, data, codec):
+    p = make_params(tmp_path, codec=codec)
+    run = start(p)
+    c = make_codec(codec)
+    for r in (1, 2, 3):
+        metas, agg = do_round(p, run, data, r)
+        assert agg["merged"] == (r == 2)
+        dm = run.store.read_manifest(run.layout.delta_dir(r))
+        rebuilt = apply_delta(_global(run, r - 1), c, "spes", delta_files(run.store, run.layout, r, dm),
+                              dm["meta"]["expert_files"])
+        committed_sha = run.store.read_manifest(run.layout.global_dir(r))["files"][MODEL_FILE]["sha256"]
+        assert tensors_sha256(rebuilt) == committed_sha == dm["meta"]["global_sha256"]
+        refs = dm["meta"]["expert_files"]
+        assert sorted(refs) == ["experts-000.safetensors", "experts-001.safetensors"]
+        if r == 2:  # merging changed every expert: each owner's merged rows are in the delta itself
+            assert all("source" not in ref and name in dm["files"] for name, ref in refs.items())
+        else:  # the owners' uploads are the delta of their rows: referred to, not copied
+            assert [ref["source"] for ref in refs.values()] == [run.layout.node_dir(r, i) for i in (0, 1)]
+            assert set(dm["files"]) == {SHARED_FILE}
+    info = run.info()
+    for i in (0, 1):  # what each node holds (rebuilt from deltas in round 3) has the committed sha256
+        base = NodeStateDir(node_state_root(p), run.store.url, "r", info["run_id"], i).base()
+        assert base == (2, run.store.read_manifest(run.layout.global_dir(2))["files"][MODEL_FILE]["sha256"])
+
+
+def test_spes_aggregation_exact_and_downloads_skip_own_experts(tmp_path, data):
+    p = make_params(tmp_path)
+    run = start(p)
+    do_round(p, run, data, 1)
+    ups = [run.store.read_bundle(run.layout.node_dir(1, i)).files for i in (0, 1)]
+    prev, new = _global(run, 0), _global(run, 1)
     for name, t in new.items():
-        if ".experts." in name:
-            assert torch.equal(t[:2], ups[0][name]) and torch.equal(t[2:], ups[1][name]), name
+        if ".experts." in name:  # each expert = prev + its owner's delta (the owner's rows only)
+            for i, rows in ((0, slice(0, 2)), (1, slice(2, 4))):
+                assert torch.equal(t[rows], prev[name][rows] + ups[i][EXPERTS_FILE][name]), name
         else:
-            assert torch.equal(t, ((ups[0][name].double() + ups[1][name].double()) / 2).float()), name
+            mean = weighted_sum([ups[0][SHARED_FILE][name], ups[1][SHARED_FILE][name]], [0.5, 0.5])
+            assert torch.equal(t, prev[name] + mean), name
+    metas, _ = do_round(p, run, data, 2)
+    model_bytes = run.store.read_manifest(run.layout.global_dir(0))["files"][MODEL_FILE]["bytes"]
+    dm = run.store.read_manifest(run.layout.delta_dir(1))
+    shared, refs = dm["files"][SHARED_FILE]["bytes"], dm["meta"]["expert_files"]
+    other, own = refs["experts-001.safetensors"]["bytes"], refs["experts-000.safetensors"]["bytes"]
+    assert metas[0]["bytes_down"] < model_bytes  # the delta minus its own experts, not the whole model
+    assert shared + other <= metas[0]["bytes_down"] < shared + other + own
 
 
-def test_a_retried_node_round_is_idempotent(setup):
-    p, store, data = setup
-    first = node_round(p, store, "r", 1, 0, data)
-    before = store.read_manifest("runs/r/rounds/000001/nodes/000")
-    again = node_round(p, store, "r", 1, 0, data)
-    assert store.read_manifest("runs/r/rounds/000001/nodes/000") == before  # not recomputed, not rewritten
-    assert {k: again[k] for k in first if k != "seconds_save"} == {k: first[k] for k in first if k != "seconds_save"}
+def test_a_retried_node_round_is_idempotent(tmp_path, data):
+    p = make_params(tmp_path)
+    run = start(p)
+    first = node_round(p, run.store, "r", 1, 0, data)
+    before = run.store.read_manifest(run.layout.node_dir(1, 0))
+    again = node_round(p, run.store, "r", 1, 0, data)
+    assert run.store.read_manifest(run.layout.node_dir(1, 0)) == before  # not recomputed, not rewritten
+    assert {k: again[k] for k in again if k != "seconds_save"} == {k: first[k] for k in again if k != "seconds_save"}
 
 
-def test_quorum_and_a_node_that_misses_a_round(setup):
-    p, store, data = setup
-    for i in (0, 1):
-        node_round(p, store, "r", 1, i, data)
-    aggregate_round(p, store, "r", 1)
-    node_round(p, store, "r", 2, 0, data)
-    with pytest.raises(StoreError, match=r"round 2: only nodes \[0\] committed, quorum is 2 of 2"):
-        aggregate_round(p, store, "r", 2)
-    agg = aggregate_round(p, store, "r", 2, min_nodes=1)
+def test_quorum_and_a_node_that_misses_a_round(tmp_path, data):
+    p = make_params(tmp_path)
+    run = start(p)
+    do_round(p, run, data, 1)
+    node_round(p, run.store, "r", 2, 0, data)
+    with pytest.raises(QuorumError, match=r"round 2: only nodes \[0\] committed, quorum is 2 of 2"):
+        aggregate_round(p, run.store, "r", 2)
+    agg = aggregate_round(p, run.store, "r", 2, min_nodes=1)
     assert (agg["contributors"], agg["missing"]) == ([0], [1])
-    g1, g2 = (load_global(store, "r", r)[0].canonical_state_dict() for r in (1, 2))
-    assert torch.equal(g2["model.layers.0.mlp.experts.down_proj"][2:], g1["model.layers.0.mlp.experts.down_proj"][2:])
-    # node 1 continues in round 3 from its own last state (round 1), not from nothing
-    state = latest_node_state(store, "r", 1, 3)
-    assert state.meta["round"] == 1
-    assert node_round(p, store, "r", 3, 1, data)["loss_first"] > 0
+    assert agg["node_states"]["1"]["round"] == 1  # node 1 continues from its round-1 state
+    g1, g2 = _global(run, 1), _global(run, 2)
+    if not agg["merged"]:
+        assert torch.equal(g2["model.layers.0.mlp.experts.down_proj"][2:], g1["model.layers.0.mlp.experts.down_proj"][2:])
+    metas, agg3 = do_round(p, run, data, 3)
+    assert agg3["contributors"] == [0, 1] and metas[1]["state"]["round"] == 3
+
+
+def _reference(tmp_path, data, rounds=3, **kw):
+    p = make_params(tmp_path, name="ref", **kw)
+    run = start(p)
+    for r in range(1, rounds + 1):
+        do_round(p, run, data, r)
+    return run.store.read_manifest(run.layout.global_dir(rounds))["files"][MODEL_FILE]["sha256"]
+
+
+def test_a_corrupt_committed_upload_is_that_nodes_failure(tmp_path, data):
+    p = make_params(tmp_path)
+    run = start(p)
+    do_round(p, run, data, 1)
+    for i in (0, 1):
+        node_round(p, run.store, "r", 2, i, data)
+    f = tmp_path / "s-storage/runs/r/rounds/000002/nodes/000/shared.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])  # truncated after its commit
+    with pytest.raises(UploadsRejected, match="node 0: .*nodes/000/shared.safetensors: (truncated|sha256/size)"):
+        aggregate_round(p, run.store, "r", 2, rerun_rejected=True)
+    assert not run.store.exists(run.layout.node_dir(2, 0))  # set aside, so the node can run the round again
+    assert run.store.list_names("runs/r/rejected")[0].startswith("000002-000-")
+    node_round(p, run.store, "r", 2, 0, data)  # re-run from its round-1 state: the same upload
+    aggregate_round(p, run.store, "r", 2, rerun_rejected=True)
+    do_round(p, run, data, 3)
+    assert run.store.read_manifest(run.layout.global_dir(3))["files"][MODEL_FILE]["sha256"] == _reference(tmp_path, data)
+
+
+def test_a_corrupt_upload_is_left_out_under_the_quorum(tmp_path, data):
+    p = make_params(tmp_path)
+    run = start(p)
+    node_round(p, run.store, "r", 1, 0, data)
+    node_round(p, run.store, "r", 1, 1, data)
+    m = tmp_path / "s-storage/runs/r/rounds/000001/nodes/001/experts.safetensors"
+    m.write_bytes(m.read_bytes()[:-1] + b"\x00")
+    agg = aggregate_round(p, run.store, "r", 1, min_nodes=1)
+    assert agg["contributors"] == [0] and "experts.safetensors" in agg["rejected"]["1"]
+
+
+def test_a_delta_against_another_base_is_rejected(tmp_path, data):
+    p = make_params(tmp_path)
+    run = start(p)
+    do_round(p, run, data, 1)
+    node_round(p, run.store, "r", 2, 0, data)
+    b = run.store.read_bundle(run.layout.node_dir(2, 0))
+    run.store.remove(run.layout.node_dir(2, 0))
+    run.store.write_bundle(run.layout.node_dir(2, 0), b.files, {**b.meta, "base_round": 0,
+                                                                  "base_sha256": "f" * 64})
+    with pytest.raises(UploadsRejected, match="its delta is against global 0 \\(ffffffffffff\\), not the committed global 1"):
+        aggregate_round(p, run.store, "r", 2, rerun_rejected=True)
+
+
+def test_node_state_is_the_one_the_global_was_built_with(tmp_path, data):
+    """Silent divergence is impossible: a node whose recorded state is gone fails, naming it; with the state
+    checkpointed on shared storage it continues, and the result is bitwise the uninterrupted one."""
+    p = make_params(tmp_path)
+    run = start(p)
+    do_round(p, run, data, 1)
+    for i in (0, 1):
+        node_round(p, run.store, "r", 2, i, data, checkpoint=True)
+    aggregate_round(p, run.store, "r", 2)
+    local = NodeStateDir(node_state_root(p), run.store.url, "r", run.info()["run_id"], 0)
+    local.local.remove("rounds/000002")  # the node's own copy is lost: the checkpoint serves
+    do_round(p, run, data, 3)
+    assert run.store.read_manifest(run.layout.global_dir(3))["files"][MODEL_FILE]["sha256"] == _reference(tmp_path, data)
+    local.local.remove("rounds/000003")  # round 3 was no checkpoint round: nothing to fall back to
+    with pytest.raises(NodeStateError, match=r"node 0: its state after round 3 .* round 3 is no checkpoint round"):
+        node_round(p, run.store, "r", 4, 0, data)
+    assert not run.store.exists(run.layout.node_dir(4, 0))
+
+
+def test_non_finite_loss_stops_the_node_and_commits_nothing(tmp_path, data):
+    p = make_params(tmp_path)
+    p.spes.optim.lr, p.spes.optim.grad_clip, p.spes.optim.warmup_steps = 1e6, 0.0, 0
+    p.spes.sync_steps = 6
+    run = start(p)
+    with pytest.raises(NonFiniteLoss, match=r"node 0 round 1: (loss is nan at step \d|.* is not finite after step 5)"):
+        node_round(p, run.store, "r", 1, 0, data)
+    assert not run.store.exists(run.layout.node_dir(1, 0))

@@ -78,3 +78,65 @@ def test_records(tmp_path):
     run.write_record(2, {"round": 2, "wall_s": 1.5})
     run.write_record(2, {"round": 2, "wall_s": 9.9})  # a retried round task keeps the first record
     assert run.records(1, 3) == [{"round": 2, "wall_s": 1.5}]
+
+
+def _synthetic_run(tmp_path, refs_by_round):
+    """Globals 0..n with the given node_states; {round: {node: (state round, checkpoint)}}."""
+    from spes.node_state import state_digest
+
+    run = Run(Store(str(tmp_path)), "r")
+    run.ensure("fp", _init())
+    digests = {}
+    for r in sorted(refs_by_round):
+        states = {}
+        for node, (sr, ckpt) in refs_by_round[r].items():
+            if (sr, node) not in digests:
+                meta = {"run_id": "id", "node": node, "round": sr, "data_position": sr}
+                files = {"optim.safetensors": {"x": torch.full((2,), float(sr))}}
+                if ckpt:
+                    m = run.store.write_bundle(run.layout.state_dir(sr, node), files, meta)
+                else:
+                    m = {"meta": meta, "files": {"optim.safetensors": {"sha256": f"local-{sr}-{node}"}}}
+                digests[(sr, node)] = state_digest(m)
+            states[str(node)] = {"round": sr, "digest": digests[(sr, node)], "checkpoint": ckpt}
+        run.store.write_bundle(run.layout.node_dir(r, 0), {"shared.safetensors": {"d": torch.zeros(1)}}, {})
+        run.store.write_bundle(run.layout.global_dir(r), {MODEL_FILE: {"w": torch.zeros(1)}},
+                               {"round": r, "node_states": states})
+        run.write_record(r, {"round": r})
+    return run
+
+
+def test_resumable_rounds_and_resume_resolution(tmp_path):
+    run = _synthetic_run(tmp_path, {1: {0: (1, False), 1: (1, False)}, 2: {0: (2, True), 1: (2, True)},
+                                    3: {0: (3, False), 1: (2, True)}, 4: {0: (4, False), 1: (4, False)}})
+    assert run.resumable_rounds(lambda i, ref: False) == [0, 2]
+    assert run.resumable_rounds(lambda i, ref: ref["round"] >= 3) == [0, 2, 3, 4]
+    assert run.resumable_rounds(None) == [0, 2, 4]  # nodes elsewhere: the latest counts (they keep it)
+    with pytest.raises(StoreError, match=r"round 3 is not resumable.*\(resumable: \[0, 2\]\)"):
+        run.resolve_start(3, lambda i, ref: False)
+    assert run.resolve_start("latest", lambda i, ref: False) == 3  # says which, sets 3 and 4 aside
+    assert run.committed_rounds() == [0, 1, 2]
+
+
+def test_retention_keeps_what_a_resume_needs(tmp_path):
+    # node 1 misses rounds 4-6: the later globals still need its checkpointed round-3 state
+    run = _synthetic_run(tmp_path, {1: {0: (1, False), 1: (1, False)}, 2: {0: (2, True), 1: (2, True)},
+                                    3: {0: (3, False), 1: (3, True)}, 4: {0: (4, False), 1: (3, True)},
+                                    5: {0: (5, False), 1: (3, True)}, 6: {0: (6, False), 1: (3, True)}})
+    before = run.resumable_rounds(lambda i, ref: False)
+    assert run.prune(2) == [1, 3, 4]
+    assert run.committed_rounds() == [0, 2, 5, 6]
+    assert run.resumable_rounds(lambda i, ref: False) == before == [0, 2]
+    assert run.store.is_committed(run.layout.state_dir(3, 1))  # needed by rounds 5 and 6
+    assert run.store.is_committed(run.layout.state_dir(2, 0))
+    assert [r for r in range(1, 7) if run.store.list_names(f"{run.layout.round_dir(r)}/nodes")] == [5, 6]
+    assert [rec["round"] for rec in run.records(1, 6)] == [1, 2, 3, 4, 5, 6]  # records stay
+    assert run.prune(None) == []
+
+
+def test_retention_of_checkpoint_rounds_can_be_bounded(tmp_path):
+    run = _synthetic_run(tmp_path, {r: {i: (r, True) for i in (0, 1)} for r in range(1, 7)})
+    assert run.resumable_rounds(lambda i, ref: False) == [0, 1, 2, 3, 4, 5, 6]
+    assert run.prune(1, keep_checkpoints=2) == [1, 2, 3, 4]
+    assert run.committed_rounds() == [0, 5, 6]
+    assert [r for r in range(1, 7) if run.store.list_names(f"{run.layout.round_dir(r)}/states")] == [5, 6]

@@ -1,0 +1,84 @@
+"""The Prefect API a stage talks to: `PREFECT_API_URL` when set (a real server, the UI), else a temporary
+local server started here and tied to this process.
+
+Prefect's own ephemeral server outlives a SIGKILLed parent; this one is started with PR_SET_PDEATHSIG
+(pipelines/node_pool.py), so the kernel ends it with the stage however the stage ends, like the node
+processes. It listens on a free loopback port and keeps its database under PREFECT_HOME, as Prefect's does.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Iterator
+
+from pipelines.node_pool import spawn
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, ConnectionError, OSError):
+        return False
+
+
+def _drain_prefect_workers() -> None:
+    if "prefect" not in sys.modules:
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        try:
+            worker.drain_all(timeout=10)
+        except Exception:  # best effort: the run itself is already committed on storage
+            pass
+
+
+@contextlib.contextmanager
+def prefect_api(startup_timeout_s: float = 180.0) -> Iterator[str]:
+    """Yield the API URL; a server started here is stopped on exit (and dies with this process)."""
+    if os.environ.get("PREFECT_API_URL"):
+        yield os.environ["PREFECT_API_URL"]
+        return
+    # where prefect lives, without importing it: its settings are read at import, after PREFECT_API_URL is set
+    app_dir = os.path.dirname(os.path.dirname(importlib.util.find_spec("prefect").origin))
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    env = dict(os.environ, PREFECT_UI_ENABLED="0", PREFECT__SERVER_EPHEMERAL="1", PREFECT__SERVER_FINAL="1",
+               PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    proc = spawn([sys.executable, "-m", "uvicorn", "--app-dir", app_dir, "--factory",
+                  "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
+                  "--log-level", "error", "--lifespan", "on"], env=env)
+    try:
+        deadline = time.time() + startup_timeout_s
+        while not _healthy(url):
+            if proc.poll() is not None:
+                raise RuntimeError(f"the local Prefect server exited with {proc.returncode} before it was ready")
+            if time.time() > deadline:
+                raise RuntimeError(f"the local Prefect server did not answer on {url} within {startup_timeout_s:.0f}s")
+            time.sleep(0.2)
+        os.environ["PREFECT_API_URL"] = url
+        yield url
+    finally:
+        _drain_prefect_workers()  # send the last logs and events while the server still listens
+        os.environ.pop("PREFECT_API_URL", None)
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

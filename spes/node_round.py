@@ -1,0 +1,141 @@
+"""One node's part of a sync round, as a library call (no orchestration):
+
+  global r-1 (rebuilt from deltas, or downloaded)  +  the node's state the global was built with
+    -> sync_steps local steps  ->  encoded delta upload (committed)  +  the node's state after round r
+
+The node's state stays on its machine (spes/node_state.py) and goes to shared storage only at checkpoint
+rounds, before the upload is committed (so a committed upload implies its checkpoint exists). Every byte
+the node reads or writes on shared storage is counted in what it reports.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Callable, Optional
+
+import torch
+
+from spes.codecs import make_codec
+from spes.config import ModelConfig, Params
+from spes.data import BatchStream, TokenData
+from spes.devices import resolve_device
+from spes.node_state import NodeStateDir
+from spes.runs.layout import RunLayout
+from spes.runs.run import Run
+from spes.store import BundleWriter, Store, StoreError
+from spes.sync import EXPERTS_FILE, encode_upload, experts_file, fetch_global
+from spes.trainer import build_node_trainer
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+def node_seed(seed: int, node: int, r: int) -> int:
+    """Torch RNG seed of node `node` in round r: distinct per (run seed, node, round), so any use of
+    randomness in a step (dropout, noise) replays exactly on a retry or resume. Spaced by primes."""
+    return seed * 100003 + node * 1009 + r
+
+
+def node_state_root(p: Params) -> str:
+    o = p.orchestration
+    return os.path.expanduser(o.node_state_dir or os.path.join(o.node_cache_dir, "state"))
+
+
+def last_checkpoint_round(r: int, every: int) -> int:
+    return r - r % every
+
+
+def node_meta(manifest: dict) -> dict:
+    """What a node reports for a committed upload: its meta, plus every byte it wrote for it."""
+    mbytes = len(json.dumps(manifest, indent=1, sort_keys=True).encode()) + 64  # manifest + COMMIT
+    return {**manifest["meta"], "bytes_up": manifest["meta"]["bytes_up_files"] + mbytes}
+
+
+def _check_finite(losses: list[float], first_step: int, node: int, r: int, trained: dict) -> None:
+    for i, v in enumerate(losses):
+        if not torch.isfinite(torch.tensor(v)):
+            raise NonFiniteLoss(f"node {node} round {r}: loss is {v} at step {first_step + i}; nothing committed "
+                                "(lower spes.optim.lr or check the data)")
+    for name, t in trained.items():
+        if not torch.isfinite(t).all():
+            raise NonFiniteLoss(f"node {node} round {r}: {name} is not finite after step {first_step + len(losses) - 1}; "
+                                "nothing committed")
+
+
+def node_round(p: Params, store: Store, run: str, r: int, node: int, data: TokenData,
+               on_step: Optional[Callable[[int], None]] = None, checkpoint: bool = False) -> dict:
+    """Run node `node`'s `sync_steps` local steps of round r and commit its upload; returns its meta."""
+    s, layout = p.spes, RunLayout(run)
+    rel = layout.node_dir(r, node)
+    if store.is_committed(rel):  # a retry after the node already finished: idempotent
+        return node_meta(store.read_manifest(rel))
+    t0, read0, written0 = time.perf_counter(), store.bytes_read, store.bytes_written
+    info = Run(store, run).info()
+    if info is None:
+        raise StoreError(f"run {run!r} has no info on {store.url}")
+    local = NodeStateDir(node_state_root(p), store.url, run, info["run_id"], node)
+    prev_manifest = store.read_manifest(layout.global_dir(r - 1))
+    prev_meta = prev_manifest["meta"]
+    ref = prev_meta.get("node_states", {}).get(str(node))
+    local.discard_after(int(ref["round"]) if ref else 0)
+    state = local.load_state(ref, store, layout.state_dir(int(ref["round"]), node)) if ref else None
+    codec = make_codec(p.sync.codec, p.sync.int8_block)
+    # its own experts' rows in the delta are the bytes it uploaded last: no need to download them back
+    own_cached = {experts_file(node): (state.experts_sha256, state.experts_upload)} \
+        if state is not None and state.experts_upload else None
+    prev, prev_sha = fetch_global(store, layout, r - 1, prev_manifest, codec, s.method, local.base(), local.load_base,
+                                  own_cached)
+    if local.base() != (r - 1, prev_sha) and local.save_base(r - 1, prev) != prev_sha:
+        raise StoreError(f"node {node}: global {r - 1} as held here does not hash to the committed {prev_sha[:12]}")
+
+    device = resolve_device(p.orchestration.device, node)
+    model = ModelConfig(**prev_meta["model_config"]).build()
+    model.load_canonical_state_dict(prev)
+    trainer = build_node_trainer(s, model.to(device), node)
+    if state is not None:
+        trainer.load_optimizer_tensors(state.optim)
+    torch.manual_seed(node_seed(s.seed, node, r))
+    stream = BatchStream(data.train, s.node_batch_size, s.seq_len, s.seed, node, state.data_position if state else 0)
+    t_load = time.perf_counter() - t0
+
+    losses, tokens, counts = [], 0, None
+    t1 = time.perf_counter()
+    first_step = (r - 1) * s.sync_steps
+    for i in range(s.sync_steps):
+        m = trainer.train_step(*stream.next(), first_step + i)
+        losses.append(m.ce)
+        tokens += m.tokens
+        if m.expert_counts_LE is not None:
+            counts = m.expert_counts_LE if counts is None else counts + m.expert_counts_LE
+        if on_step is not None:
+            on_step(i)
+    losses = torch.stack(losses).tolist()  # the round's one wait for the device
+    t_compute = time.perf_counter() - t1
+
+    t2 = time.perf_counter()
+    trained = trainer.upload()
+    _check_finite(losses, first_step, node, r, trained)
+    files, residual = encode_upload(s.method, codec, prev, trained, trainer.owned,
+                                    state.residual if state is not None else None, p.sync.error_feedback)
+    saved = local.save_state(r, stream.position, trainer.optimizer_tensors(), residual, files.get(EXPERTS_FILE, {}))
+    if checkpoint:  # the same files, so the same digest: a resume can take it from either place
+        store.remove(layout.state_dir(r, node))
+        store.write_bundle(layout.state_dir(r, node), saved["files"], saved["meta"])
+    bytes_down = store.bytes_read - read0
+    meta = {"round": r, "node": node, "experts": list(trainer.owned), "tokens": tokens,
+            "base_round": r - 1, "base_sha256": prev_sha, "codec": codec.name,
+            "state": {"round": r, "digest": saved["digest"], "checkpoint": checkpoint},
+            "step_end": r * s.sync_steps, "loss_first": losses[0], "loss_last": losses[-1],
+            "loss_mean": sum(losses) / len(losses), "losses": losses,
+            "expert_load": counts.cpu().tolist() if counts is not None else [],
+            "bytes_down": bytes_down, "seconds_load": t_load, "seconds_compute": t_compute, "device": str(device),
+            "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+    up = BundleWriter(store, rel)
+    for fname, parts in files.items():
+        up.add(fname, parts)
+    meta["bytes_up_files"] = store.bytes_written - written0
+    manifest = up.commit(meta)
+    local.prune_before(min(int(ref["round"]) if ref else 0, last_checkpoint_round(r, p.checkpoint.every_rounds)))
+    return {**node_meta(manifest), "seconds_save": time.perf_counter() - t2}

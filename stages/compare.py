@@ -1,0 +1,152 @@
+"""DVC stages of compare/dvc.yaml: SPES against its baselines at equal tokens.
+
+    python -m stages.compare run --variant V --seed S --lr LR --budget B --out DIR
+        one cell of the matrix as its own run (cmp-<V>-<S>-<LR>-<B>) from the main pipeline's tokens and
+        initial model; DIR/result.json: held-out loss (whole split, with its standard error), tokens, per-node
+        trainable params and memory, bytes on the wire per node per round, wall time, the held-out curve
+    python -m stages.compare report
+        artifacts/compare/report.md, report.csv, heldout_curves.csv (dvc plots), and the table as a Prefect
+        markdown artifact
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+
+from stages.common import prefect_env_defaults, run, write_json
+
+COMPARE_DIR = "compare"
+
+
+def _load(params_path: str):
+    from spes.compare import check_matrix
+    from spes.params import load_params
+
+    p = load_params(params_path)
+    check_matrix(p)  # every variant checked before anything trains
+    return p
+
+
+def run_cell(a) -> None:
+    import torch
+
+    from spes.compare import Cell, variant_params
+    from spes.data import TokenData
+    from spes.evaluation import heldout_loss
+    from spes.plan import node_memory
+    from spes.runs import Run
+    from spes.store import Store
+
+    p = _load(a.params)
+    if a.variant not in p.compare.variants:
+        raise SystemExit(f"compare: no variant {a.variant!r} in compare.variants ({sorted(p.compare.variants)})")
+    cell = Cell(a.variant, int(a.seed), float(a.lr), int(a.budget))
+    vp = variant_params(p, cell.variant, cell.seed, cell.lr, cell.budget)
+    overrides = list(p.compare.variants[cell.variant]) + [
+        f"spes.seed={cell.seed}", f"spes.optim.lr={cell.lr}", f"spes.rounds={vp.spes.rounds}",
+        f"orchestration.run_name={cell.run_name}"]
+    prefect_env_defaults()
+    from pipelines.node_pool import POOL
+    from pipelines.prefect_api import prefect_api
+
+    POOL.start(range(vp.spes.nodes))
+    with prefect_api():
+        from pipelines.training import spes_training
+
+        spes_training(params_path=a.params, overrides=overrides, stage="all", run_name=cell.run_name,
+                      init_path=os.path.join(p.artifacts_dir, "init", "model.safetensors"), on_mismatch="restart")
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    run_ = Run(Store.from_config(vp.storage), cell.run_name)
+    last = run_.latest_round()
+    model, _ = run_.load_model(last)
+    data = TokenData.open(os.path.join(p.artifacts_dir, "tokens"))
+    ev = heldout_loss(model, data.val, p.eval.batch_size, p.eval.seq_len)
+    records = run_.records(1, last)
+    tokens, curve = 0, []
+    for rec in records:
+        tokens += rec.get("tokens", 0)
+        if rec.get("heldout_loss") is not None:
+            curve.append({"round": rec["round"], "tokens": tokens, "heldout_loss": rec["heldout_loss"]})
+    rows = [n for rec in records for n in rec["nodes"] if n.get("status") == "ok"]
+    mem = node_memory(model.cfg, vp.spes, 0)
+    result = {"variant": cell.variant, "seed": cell.seed, "lr": cell.lr, "budget": cell.budget, "run": cell.run_name,
+              "rounds": last, "heldout_loss": ev["loss"], "heldout_se": ev["se"], "eval_tokens": ev["tokens"],
+              "tokens": tokens, "trainable_params_per_node": mem["trainable_params"],
+              "memory_bytes_per_node": mem["total_bytes"],
+              "peak_bytes_per_node": max((n.get("peak_bytes") or 0 for n in rows), default=0) or None,
+              "bytes_per_node_per_round": sum(n["bytes_up"] + n["bytes_down"] for n in rows) / max(1, len(rows)),
+              "wall_s": sum(rec["wall_s"] for rec in records), "curve": curve}
+    os.makedirs(a.out, exist_ok=True)
+    write_json(os.path.join(a.out, "result.json"), result)
+    print(f"compare: {cell.run_name}: held-out loss {ev['loss']:.4f} (SE {ev['se']:.4f}) after {tokens} tokens")
+
+
+def report(a) -> None:
+    from spes.compare import CSV_COLUMNS, cells, report_markdown, summarize
+
+    p = _load(a.params)
+    runs_dir = os.path.join(p.artifacts_dir, COMPARE_DIR, "runs")
+    results, missing = [], []
+    for cell in cells(p):
+        f = os.path.join(runs_dir, cell.key, "result.json")
+        if not os.path.exists(f):
+            missing.append(cell.key)
+            continue
+        with open(f) as fh:
+            results.append(json.load(fh))
+    if missing:
+        raise SystemExit(f"compare report: no result for {missing} (run `dvc repro compare/dvc.yaml`)")
+    summary = summarize(p, results)
+    out = os.path.join(p.artifacts_dir, COMPARE_DIR)
+    md = report_markdown(p, summary)
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write(md)
+    with open(os.path.join(out, "report.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(summary["rows"])
+    _write_curves(os.path.join(out, "heldout_curves.csv"), summary["rows"], results)
+    prefect_env_defaults()
+    from pipelines.prefect_api import prefect_api
+
+    with prefect_api():
+        from pipelines.compare import publish_report
+
+        publish_report(md)
+    print(md)
+
+
+def _write_curves(path: str, rows: list[dict], results: list[dict]) -> None:
+    """Held-out loss vs tokens of each reported (best-lr) variant, mean over seeds, long format for dvc plots."""
+    out = []
+    for row in rows:
+        runs = [r for r in results if (r["variant"], r["budget"], r["lr"]) == (row["variant"], row["budget"], row["lr"])]
+        for i, point in enumerate(runs[0]["curve"]):
+            loss = sum(r["curve"][i]["heldout_loss"] for r in runs) / len(runs)
+            out.append({"series": f"{row['variant']} ({row['budget']}x)", "tokens": point["tokens"],
+                        "heldout_loss": loss})
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["series", "tokens", "heldout_loss"])
+        w.writeheader()
+        w.writerows(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    for k in ("variant", "seed", "lr", "budget", "out"):
+        r.add_argument(f"--{k}", required=True)
+    rep = sub.add_parser("report")
+    for s in (r, rep):
+        s.add_argument("--params", default="params.yaml")
+    a = ap.parse_args()
+    (run_cell if a.cmd == "run" else report)(a)
+
+
+if __name__ == "__main__":
+    sys.argv[0] = "compare"
+    run(main)

@@ -1,0 +1,155 @@
+"""Faults driven end to end through the DVC entry points (`python -m stages.<stage>`) on a tiny project:
+each case ends with the run bitwise equal to an uninterrupted one, or with a one-line error and nothing on
+storage changed."""
+import dataclasses
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from spes.params import load_params
+from spes.runs import MODEL_FILE, Run
+from spes.store import Store
+from tests.pipelines.tiny_project import INIT_SEED, make_project
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory, tiny_tokens):
+    root = tmp_path_factory.mktemp("faults")
+    make_project(root, tiny_tokens)
+    p = load_params(str(root / "params.yaml"))
+    torch.manual_seed(INIT_SEED)
+    model = p.model.build()
+    (root / "artifacts/init").mkdir()
+    save_file(model.canonical_state_dict(), str(root / "artifacts/init/model.safetensors"))
+    (root / "artifacts/init/config.json").write_text(json.dumps({"model_config": dataclasses.asdict(p.model), "source": "test"}))
+    return root
+
+
+def stage(project, *args, env_extra=None, wait=True, timeout=600):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PYTHONPATH=ROOT, PREFECT_HOME=str(project / "prefect_home"), **(env_extra or {}))
+    cmd = [sys.executable, "-m", *args, "--params", str(project / "params.yaml")]
+    if not wait:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def global_sha(project, run, r):
+    store = Store(str(project / "storage"))
+    return store.read_manifest(Run(store, run).layout.global_dir(r))["files"][MODEL_FILE]["sha256"]
+
+
+@pytest.fixture(scope="module")
+def reference(project):
+    res = stage(project, "stages.rounds", "warmup", "orchestration.run_name=ref")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return global_sha(project, "ref", 2)
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_sigkilled_stage_leaves_no_processes_and_a_rerun_continues_at_once(project, reference):
+    proc = stage(project, "stages.rounds", "warmup", "orchestration.run_name=killed", wait=False)
+    store = Store(str(project / "storage"))
+    layout = Run(store, "killed").layout
+    deadline = time.time() + 300
+    while not store.is_committed(layout.global_dir(1)):
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:] if proc.stdout else ""
+        time.sleep(0.5)
+    helpers = _descendants(proc.pid)  # the Prefect server and the node processes
+    assert len(helpers) >= 3
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 20
+    while any(_alive(h) for h in helpers) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not [h for h in helpers if _alive(h)], "processes outlived the killed stage"
+    t0 = time.time()
+    res = stage(project, "stages.rounds", "warmup", "orchestration.run_name=killed")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert time.time() - t0 < 300  # the dead writer's lease (ttl 600 s) did not have to expire
+    assert global_sha(project, "killed", 2) == reference
+
+
+def test_a_corrupt_committed_upload_is_rerun_and_the_result_unchanged(project, reference):
+    plan = json.dumps({"corrupt": {"run": "corrupt", "round": 2, "node": 0}})
+    res = stage(project, "stages.rounds", "warmup", "orchestration.run_name=corrupt", env_extra={"SPES_FAULT_PLAN": plan})
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    assert "nodes/000/shared.safetensors" in out and "re-running nodes [0]" in out
+    assert global_sha(project, "corrupt", 2) == reference
+    assert os.listdir(project / "storage/runs/corrupt/rejected")[0].startswith("000002-000-")
+
+
+def _tree_digest(folder) -> str:
+    h = hashlib.sha256()
+    for dirpath, _, files in sorted(os.walk(folder)):
+        for f in sorted(files):
+            h.update(f"{os.path.relpath(os.path.join(dirpath, f), folder)}\n".encode())
+            h.update(open(os.path.join(dirpath, f), "rb").read())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("override,message", [
+    ("spes.optim.lr=-1", "spes.optim.lr must be > 0"),
+    ("dense.batch_size=0", "dense.batch_size must be >= 1"),
+    ("spes.ownership=[[0,1,2,3]]", "spes.ownership: ownership lists 1 nodes but spes.num_nodes is 2"),
+    ("model.num_kv_heads=0", "model.num_kv_heads must be > 0"),
+    ("orchestration.lock_ttl_s=0", "orchestration.lock_ttl_s must be >= 3"),
+    ("orchestration.run_name=../../../x", "orchestration.run_name: '../../../x' is not a safe name"),
+])
+def test_bad_settings_fail_before_anything_runs_or_is_written(project, reference, override, message):
+    before = _tree_digest(project / "storage")
+    res = stage(project, "stages.rounds", "warmup", override, timeout=120)
+    assert res.returncode == 2
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert lines == [f"config error: {lines[0].split('config error: ')[1]}"] and message in lines[0]
+    assert _tree_digest(project / "storage") == before
+
+
+def test_model_vocab_smaller_than_the_token_ids_fails_before_compute(project):
+    res = stage(project, "stages.dense", "model.vocab_size=100", timeout=120)
+    assert res.returncode != 0
+    assert "model.vocab_size (100) is smaller than the tokenizer's vocabulary (512)" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_a_failed_tokenize_leaves_the_token_folder_as_it_was(project):
+    before = _tree_digest(project / "artifacts/tokens")
+    res = stage(project, "stages.tokenize", "tokenize.max_files=5", "model.vocab_size=64", timeout=300)
+    assert res.returncode != 0 and "tokenize:" in res.stderr and "Traceback" not in res.stderr
+    assert _tree_digest(project / "artifacts/tokens") == before
+    assert not [p for p in os.listdir(project / "artifacts") if p.startswith(".tokens")]

@@ -1,0 +1,81 @@
+"""Storage that stops answering, and paths that would leave the storage root."""
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from spes.params import load_params
+from spes.store import Store, StoreUnavailable, UnsafePath
+from spes.config import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def moto_process(monkeypatch):
+    """An S3 server in its own process, so it can be paused (SIGSTOP) like a hung endpoint."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for k, v in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"), ("AWS_DEFAULT_REGION", "us-east-1")):
+        monkeypatch.setenv(k, v)
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}", proc
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+
+
+def test_a_paused_s3_endpoint_fails_in_bounded_time_with_each_retry_logged(moto_process, caplog):
+    endpoint, proc = moto_process
+    import s3fs
+
+    s3fs.S3FileSystem(endpoint_url=endpoint).mkdir("hang")
+    store = Store("s3://hang/spes", {"endpoint_url": endpoint}, timeout_s=1.0, retries=2, backoff_s=0.1)
+    store.write_bytes("x", b"payload")
+    assert store.read_bytes("x") == b"payload"
+    os.kill(proc.pid, signal.SIGSTOP)
+    t0 = time.time()
+    with caplog.at_level(logging.WARNING, logger="spes.store"):
+        with pytest.raises(StoreUnavailable, match="read x failed after 3 tries"):
+            store.read_bytes("x")
+    took = time.time() - t0
+    retries = [r.message for r in caplog.records if "retry" in r.message]
+    assert len(retries) == 2 and "retry 1/2" in retries[0] and "retry 2/2" in retries[1]
+    assert took < 15, took  # 3 tries x 1 s timeouts + backoff, not forever
+    os.kill(proc.pid, signal.SIGCONT)
+    assert store.read_bytes("x") == b"payload"  # and it recovers
+
+
+def test_no_write_leaves_the_storage_root(tmp_path):
+    params = os.path.join(ROOT, "params.yaml")
+    root = tmp_path / "storage"
+    with pytest.raises(ConfigError, match="orchestration.run_name"):
+        load_params(params, ["orchestration.run_name=../../../x", f"storage.url={root}"])
+    store = Store(str(root))
+    for rel in ("../x", "runs/../../x", "/abs", "runs/./x"):
+        with pytest.raises(UnsafePath):
+            store.write_bytes(rel, b"x")
+    outside = [p for p in tmp_path.rglob("*") if not str(p).startswith(str(root))]
+    assert outside == []
