@@ -33,9 +33,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from spes.aggregator import aggregate_round, hold_global  # noqa: E402
 from spes.config import ModelConfig, Params  # noqa: E402
-from spes.data import TokenData  # noqa: E402
+from spes.data import TokenData, write_index  # noqa: E402
 from spes.node_round import node_round  # noqa: E402
 from spes.runs import MODEL_FILE, InitModel, Run, settings_fingerprint  # noqa: E402
+from spes.shards import ShardWriter  # noqa: E402
 from spes.store import Store  # noqa: E402
 
 VARIANTS = [("spes", "fp32"), ("spes", "bf16"), ("spes", "int8"), ("diloco", "fp32"), ("diloco", "int8")]
@@ -44,11 +45,12 @@ VARIANTS = [("spes", "fp32"), ("spes", "bf16"), ("spes", "int8"), ("diloco", "fp
 def synthetic_tokens(folder: str, vocab: int) -> TokenData:
     os.makedirs(folder, exist_ok=True)
     rng = np.random.default_rng(0)
+    shards = {}
     for split, n in (("train", 200_000), ("val", 20_000)):
-        rng.integers(0, vocab, n, dtype=np.uint16).tofile(os.path.join(folder, f"{split}.bin"))
-    with open(os.path.join(folder, "meta.json"), "w") as f:
-        json.dump({"vocab_size": vocab, "tokenizer_vocab": vocab, "eos_id": 0, "dtype": "uint16",
-                   "train_tokens": 200_000, "val_tokens": 20_000}, f)
+        w = ShardWriter(folder, split, np.uint16, n)
+        w.add(rng.integers(0, vocab, n, dtype=np.uint16), np.array([n]))
+        shards[split] = w.finish()
+    write_index(folder, shards, np.uint16, vocab, vocab, 0)
     return TokenData.open(folder)
 
 

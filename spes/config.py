@@ -74,18 +74,47 @@ class ModelConfig:
 
 @dataclass
 class TokenizeConfig:
+    """Corpus -> tokenizer -> token shards (spes/corpus.py, spes/tokenization.py), streamed."""
+
     corpus: Optional[str] = None
-    """Corpus files: a path, glob or fsspec URL (s3://...). None = the Python stdlib's source."""
+    """Corpus files: a path, glob or fsspec URL (s3://...), several separated by commas. None (and no
+    `dataset`) = the Python stdlib's source."""
     corpus_format: str = "auto"
-    """'auto' (by extension), 'text', 'json' (also jsonl) or 'parquet'."""
+    """'auto' (by extension), 'text' (a file is a document), 'json' (jsonl, or a JSON array) or 'parquet'."""
     text_field: str = "text"
+    """The field (json) or column (parquet, hub datasets) that holds a document's text."""
+    dataset: Optional[str] = None
+    """A Hugging Face hub dataset id, instead of `corpus` (read with `datasets.load_dataset`)."""
+    dataset_name: Optional[str] = None
+    """The hub dataset's configuration name, if it has several."""
+    dataset_split: str = "train"
+    streaming: bool = True
+    """Stream the hub dataset (nothing downloaded in full, nothing cached in Arrow files)."""
+    skip_bad_files: bool = False
+    """Skip (and count) corpus files that cannot be read or decoded, instead of stopping with their name."""
     max_files: int = 400
     """Cap on corpus files when the default (stdlib) corpus is used."""
     tokenizer: Optional[str] = None
-    """A HF tokenizer (path, tokenizer.json or hub id); None = train a byte-level BPE."""
+    """A pretrained tokenizer (tokenizer.json file, folder or hub id); None = train a byte-level BPE."""
+    eos_token: Optional[str] = None
+    """The token that ends every document; None = the tokenizer's own EOS or a known name (<|endoftext|>, </s>...)."""
+    bpe_sample_docs: int = 20000
+    """Documents (the first ones) the BPE is trained on: a bounded sample, not the whole corpus."""
+    shard_tokens: int = 1 << 28
+    """Tokens per shard file (2^28 = 512 MiB of uint16)."""
     val_fraction: float = 0.12
-    """Documents held out (whole documents); enough that variants 0.5% apart can be told apart."""
+    """Share of documents held out, by a keyed hash of each document (stable under streaming and re-runs);
+    on the embedded default enough (>= 40 documents, >= 200k tokens) to tell variants 0.5% apart."""
     seed: int = 0
+    """Key of the held-out hash."""
+
+
+@dataclass
+class DataConfig:
+    order: str = "epoch"
+    """How nodes read training windows (spes/data_order.py): 'epoch' = each epoch a permutation of the
+    non-overlapping windows, split disjointly across nodes; 'random_windows' = uniformly random windows with
+    replacement per node (what the reference does)."""
 
 
 @dataclass
@@ -292,6 +321,7 @@ class CompareConfig:
 class Params:
     model: ModelConfig = field(default_factory=ModelConfig)
     tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     init: InitConfig = field(default_factory=InitConfig)
     dense: DenseConfig = field(default_factory=DenseConfig)
     spes: SpesConfig = field(default_factory=SpesConfig)

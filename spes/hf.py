@@ -82,9 +82,9 @@ def export_hf(model: CausalLM, out_dir: str, tokenizer_file: Optional[str] = Non
     os.makedirs(out_dir, exist_ok=True)
     hf.save_pretrained(out_dir, safe_serialization=True)
     if tokenizer_file:
-        from spes.tokenization import load_hf_tokenizer
+        from spes.tokenization import hf_tokenizer
 
-        load_hf_tokenizer(tokenizer_file).save_pretrained(out_dir)
+        hf_tokenizer(tokenizer_file).save_pretrained(out_dir)
     return out_dir
 
 

@@ -97,7 +97,8 @@ def node_round(p: Params, store: Store, run: str, r: int, node: int, data: Token
     if state is not None:
         trainer.load_optimizer_tensors(state.optim)
     torch.manual_seed(node_seed(s.seed, node, r))
-    stream = BatchStream(data.train, s.node_batch_size, s.seq_len, s.seed, node, state.data_position if state else 0)
+    stream = BatchStream(data.train, s.node_batch_size, s.seq_len, s.seed, node, state.data_position if state else 0,
+                         order=p.data.order, num_nodes=s.nodes)
     t_load = time.perf_counter() - t0
 
     losses, tokens, counts = [], 0, None

@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from spes.codecs import CODECS
+from spes.data_order import ORDERS
 from spes.config import DEVICE_PATTERN, EXPERTS_IMPLS, ConfigError, OptimConfig, Params
 from spes.ownership import OwnershipError, ownership_for
 
@@ -120,8 +121,13 @@ def _check_stages(p: Params) -> None:
     _need(p.init.noise_std >= 0 and p.init.router_init_std >= 0, "init.noise_std and init.router_init_std must be >= 0")
     _need(t.corpus_format in ("auto", "text", "json", "parquet"),
           f"tokenize.corpus_format must be auto|text|json|parquet, got {t.corpus_format!r}")
+    _need(not (t.corpus and t.dataset), "tokenize.corpus and tokenize.dataset are exclusive: name one source")
+    _need(bool(t.text_field), "tokenize.text_field must not be empty")
     _need(0.0 < t.val_fraction < 0.5, "tokenize.val_fraction must be in (0, 0.5)")
     _need(t.max_files >= 1, f"tokenize.max_files must be >= 1, got {t.max_files}")
+    _need(t.bpe_sample_docs >= 1, f"tokenize.bpe_sample_docs must be >= 1, got {t.bpe_sample_docs}")
+    _need(t.shard_tokens >= 1024, f"tokenize.shard_tokens must be >= 1024, got {t.shard_tokens}")
+    _need(p.data.order in ORDERS, f"data.order must be one of {'|'.join(ORDERS)}, got {p.data.order!r}")
 
 
 def _check_orchestration(p: Params) -> None:

@@ -3,7 +3,8 @@
 A *bundle* is a folder of files + `manifest.json` (per file: sha256, bytes and, for safetensors, tensor
 names, shapes, dtypes; plus free-form meta) + `COMMIT` (the manifest's sha256), written last with an
 exclusive create. A bundle exists only once committed; readers verify every byte before parsing and
-never unpickle. Raw-file bundles (token shards) hold files that are streamed, hashed and never parsed.
+never unpickle. Raw-file bundles (token shards) hold files that are streamed, hashed and never parsed
+(spes/file_bundles.py).
 
 Every storage call goes through `Store._io`: bounded by `timeout_s` per attempt (S3), retried with
 exponential backoff on transient errors (each retry logged), then `StoreUnavailable`. Paths are relative
@@ -27,7 +28,7 @@ import torch
 from safetensors.torch import load as st_load
 
 FORMAT = "spes-bundle/1"
-_CHUNK = 8 << 20
+CHUNK = 8 << 20
 log = logging.getLogger("spes.store")
 
 
@@ -247,13 +248,13 @@ class Store:
             reader.finish()
             self.bytes_read += reader.n
 
-    def _start_bundle(self, rel: str) -> None:
+    def start_bundle(self, rel: str) -> None:
         if self.is_committed(rel):
             raise AlreadyCommitted(f"{self.url}/{rel} is already committed")
         self.remove(rel)  # a crashed earlier attempt; never committed, so never read
         self._io(f"makedirs {rel}", self.fs.makedirs, self.path(rel), exist_ok=True)
 
-    def _commit(self, rel: str, entries: dict, meta: dict[str, Any]) -> dict:
+    def commit_bundle(self, rel: str, entries: dict, meta: dict[str, Any]) -> dict:
         if not rel:
             raise UnsafePath("a bundle needs a path")
         manifest = {"format": FORMAT, "files": entries, "meta": meta, "written_at": time.time()}
@@ -309,65 +310,6 @@ class Store:
             files[fname] = tensors
         return Bundle(manifest, files)
 
-    # -- raw-file bundles (token shards, tokenizer.json): streamed, never parsed by the store ------------
-    def write_file_bundle(self, rel: str, local_files: dict[str, str], meta: dict[str, Any]) -> dict:
-        """Upload local files as they are (chunked, hashed on the way), then manifest, then COMMIT."""
-        self._start_bundle(rel)
-        entries = {}
-        for fname, local in local_files.items():
-            def upload(local=local, fname=fname):
-                h = hashlib.sha256()
-                with open(local, "rb") as src, self.fs.open(self.path(rel, fname), "wb") as dst:
-                    for chunk in iter(lambda: src.read(_CHUNK), b""):
-                        h.update(chunk)
-                        dst.write(chunk)
-                return h.hexdigest()
-
-            entries[fname] = {"sha256": self._io(f"upload {rel}/{fname}", upload), "bytes": os.path.getsize(local),
-                              "raw": True}
-            self.bytes_written += entries[fname]["bytes"]
-        return self._commit(rel, entries, meta)
-
-    def fetch_file_bundle(self, rel: str, dest: str) -> dict:
-        """Download a committed raw-file bundle into local folder `dest`, each file verified against its
-        sha256 before it gets its real name; `dest/COMPLETE` (the manifest) marks a finished copy."""
-        manifest = self.read_manifest(rel)
-        os.makedirs(dest, exist_ok=True)
-        for fname, entry in manifest["files"].items():
-            if not entry.get("raw"):
-                raise IntegrityError(f"{self.url}/{rel}/{fname} is not a raw file entry")
-            if os.path.basename(fname) != fname or fname in ("COMPLETE", "manifest.json"):
-                raise IntegrityError(f"{self.url}/{rel}: refusing file name {fname!r}")
-            # a unique partial name: two nodes on one machine may fetch the same bundle at once
-            part = os.path.join(dest, f"{fname}.{uuid.uuid4().hex[:8]}.part")
-
-            def download():
-                h, n = hashlib.sha256(), 0
-                with self.fs.open(self.path(rel, fname), "rb") as src, open(part, "wb") as dst:
-                    for chunk in iter(lambda: src.read(_CHUNK), b""):
-                        h.update(chunk)
-                        n += len(chunk)
-                        dst.write(chunk)
-                return h.hexdigest(), n
-
-            try:
-                digest, n = self._io(f"download {rel}/{fname}", download)
-            except FileNotFoundError:
-                raise IntegrityError(f"{self.url}/{rel}/{fname} is missing") from None
-            except BaseException:
-                if os.path.exists(part):
-                    os.remove(part)
-                raise
-            self.bytes_read += n
-            if n != entry["bytes"] or digest != entry["sha256"]:
-                os.remove(part)
-                raise IntegrityError(f"{self.url}/{rel}/{fname}: sha256/size mismatch ({n} bytes, manifest says "
-                                     f"{entry['bytes']}); not used")
-            os.replace(part, os.path.join(dest, fname))
-        with open(os.path.join(dest, "COMPLETE"), "w") as f:
-            json.dump(manifest, f)
-        return manifest
-
 
 def _tensor_entry(specs, sha: str, n: int) -> dict:
     return {"sha256": sha, "bytes": n,
@@ -387,7 +329,7 @@ class BundleWriter:
 
     def __init__(self, store: Store, rel: str):
         self.store, self.rel, self.entries = store, rel, {}
-        store._start_bundle(rel)
+        store.start_bundle(rel)
 
     def add(self, fname: str, tensors: dict[str, torch.Tensor]) -> dict:
         from spes.tensorio import spec_of, write_tensors
@@ -414,4 +356,4 @@ class BundleWriter:
         self.entries[fname] = _tensor_entry(specs, sha, n)
 
     def commit(self, meta: dict[str, Any]) -> dict:
-        return self.store._commit(self.rel, self.entries, meta)
+        return self.store.commit_bundle(self.rel, self.entries, meta)

@@ -1,73 +1,46 @@
-"""Corpus -> tokenizer -> token shards.
+"""Documents -> tokenizer -> token shards, streamed and encoded on all cores.
 
-Corpora are read with `datasets` (text/json/jsonl/parquet; local paths, globs or fsspec URLs such as
-s3://). The default corpus is the Python standard library's source, present on every machine.
+- Tokenizer: a byte-level BPE trained on the first `bpe_sample_docs` documents (a bounded sample, held in
+  memory once), or a pretrained one (tokenizer.json file, local folder or hub id). Its EOS token ends
+  every document; a tokenizer without one is refused.
+- Encoding: a reader thread pulls documents from the source while the `tokenizers` library encodes the
+  previous batch on every core (its batch encoding runs in Rust threads, without the GIL).
+- Held-out split by document hash (keyed by `seed`): a document is held out iff its hash falls below
+  `val_fraction`, so the split is stable under streaming and re-runs and needs no corpus size.
+- Output: bounded-size shards per split (spes/shards.py) and the index (spes/data.py `meta.json`), written
+  last. Callers write into a temporary folder and swap it in when complete (`replace_folder`).
 """
 from __future__ import annotations
 
-import glob
-import json
+import hashlib
+import itertools
 import os
+import queue
 import shutil
-import sysconfig
+import threading
+import time
 import uuid
-from typing import Iterator, Optional
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
-from spes.data import token_dtype, write_shard
+from spes.corpus import CorpusError
+from spes.data import token_dtype, write_index
+from spes.shards import ShardWriter
 
 EOS = "<|endoftext|>"
+EOS_CANDIDATES = (EOS, "</s>", "<|end_of_text|>", "<eos>", "<|eos|>")
+BATCH_CHARS = 4 << 20
+"""Characters per encoding batch: big enough to keep every core busy, small enough to bound memory."""
 
 
-class CorpusError(ValueError):
-    pass
-
-
-def default_corpus_files(max_files: int) -> list[str]:
-    stdlib = sysconfig.get_paths()["stdlib"]
-    files = sorted(f for f in glob.glob(os.path.join(stdlib, "**", "*.py"), recursive=True)
-                   if "site-packages" not in f and os.sep + "test" not in f)
-    if not files:
-        raise CorpusError(f"no .py files found under the stdlib at {stdlib}")
-    return files[:max_files]
-
-
-def _format_of(path: str, fmt: str) -> str:
-    if fmt != "auto":
-        return fmt
-    p = path.lower().split("?")[0]
-    for suffix, f in ((".jsonl", "json"), (".json", "json"), (".jsonl.gz", "json"), (".parquet", "parquet")):
-        if p.endswith(suffix):
-            return f
-    return "text"
-
-
-def load_corpus(files_or_pattern: str | list[str], fmt: str = "auto", text_field: str = "text",
-                storage_options: Optional[dict] = None) -> Iterator[str]:
-    """Yield documents. Text files are one document each; json/parquet rows carry `text_field`."""
-    import datasets
-
-    files = files_or_pattern if isinstance(files_or_pattern, list) else [files_or_pattern]
-    builder = _format_of(files[0], fmt)
-    kwargs = {"sample_by": "document"} if builder == "text" else {}
-    try:
-        ds = datasets.load_dataset(builder, data_files=files, split="train", storage_options=storage_options,
-                                   **kwargs)
-    except FileNotFoundError as e:
-        raise CorpusError(f"corpus not found: {files_or_pattern!r} ({e})") from None
-    except Exception as e:  # datasets raises many types for unreadable files
-        raise CorpusError(f"cannot read corpus {files_or_pattern!r} as {builder}: {type(e).__name__}: {e}") from None
-    if text_field not in ds.column_names:
-        raise CorpusError(f"corpus {files_or_pattern!r} has no {text_field!r} column (columns: {ds.column_names})")
-    n = 0
-    for row in ds:
-        text = row[text_field]
-        if isinstance(text, str) and text.strip():
-            n += 1
-            yield text
-    if n == 0:
-        raise CorpusError(f"corpus {files_or_pattern!r} has no non-empty {text_field!r} documents")
+@dataclass
+class LoadedTokenizer:
+    tokenizer: "object"  # tokenizers.Tokenizer
+    eos_id: int
+    vocab: int
+    """Every id is below this (added tokens included)."""
 
 
 def train_bpe(docs: list[str], vocab_size: int):
@@ -82,18 +55,173 @@ def train_bpe(docs: list[str], vocab_size: int):
     return tok
 
 
-def load_hf_tokenizer(name_or_file: str):
-    """A HF fast tokenizer from a tokenizer.json file, a local folder or a hub id."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+def _eos_of(tok, eos_token: Optional[str], hf_eos: Optional[str], where: str) -> int:
+    names = [eos_token] if eos_token else [n for n in (hf_eos, *EOS_CANDIDATES) if n]
+    for name in names:
+        i = tok.token_to_id(name)
+        if i is not None:
+            return i
+    raise CorpusError(f"tokenizer {where!r} has no EOS token (tried {names}); set tokenize.eos_token")
 
+
+def load_tokenizer(name_or_file: str, eos_token: Optional[str] = None) -> LoadedTokenizer:
+    """A pretrained tokenizer: a tokenizer.json file, a local folder or a hub id."""
+    from tokenizers import Tokenizer
+
+    hf_eos = None
     if name_or_file.endswith(".json") and os.path.isfile(name_or_file):
-        tok = PreTrainedTokenizerFast(tokenizer_file=name_or_file)
-        if tok.eos_token is None:
-            eos = EOS if EOS in tok.get_vocab() else None
-            if eos:
-                tok.eos_token = eos
-        return tok
-    return AutoTokenizer.from_pretrained(name_or_file)
+        try:
+            tok = Tokenizer.from_file(name_or_file)
+        except Exception as e:
+            raise CorpusError(f"cannot read tokenizer file {name_or_file}: {e}") from None
+    else:
+        from transformers import AutoTokenizer
+
+        try:
+            hf = AutoTokenizer.from_pretrained(name_or_file)
+        except Exception as e:  # unreachable hub, unknown id: OSError, ValueError, HTTP errors
+            raise CorpusError(f"cannot load tokenizer {name_or_file!r}: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}") from None
+        if not getattr(hf, "is_fast", False):
+            raise CorpusError(f"tokenizer {name_or_file!r} has no fast (tokenizers) backend")
+        tok, hf_eos = hf.backend_tokenizer, hf.eos_token
+    return LoadedTokenizer(tok, _eos_of(tok, eos_token, hf_eos, name_or_file), tok.get_vocab_size(with_added_tokens=True))
+
+
+def hf_tokenizer(tokenizer_file: str):
+    """A transformers tokenizer for a token folder's tokenizer.json, with its EOS token set (from the
+    folder's meta.json when there is one) so an exported model generates and pads correctly."""
+    import json
+
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=tokenizer_file)
+    meta = os.path.join(os.path.dirname(tokenizer_file), "meta.json")
+    if os.path.exists(meta):
+        with open(meta) as f:
+            eos = tok.convert_ids_to_tokens(int(json.load(f)["eos_id"]))
+    else:
+        eos = tok.convert_ids_to_tokens(_eos_of(tok.backend_tokenizer, None, None, tokenizer_file))
+    tok.eos_token = eos
+    return tok
+
+
+def held_out(doc: str, seed: int, val_fraction: float) -> bool:
+    """Whether a document is in the held-out split: its keyed hash, as a fraction of 2^64."""
+    h = hashlib.blake2b(doc.encode("utf-8", "surrogatepass"), digest_size=8, key=seed.to_bytes(8, "little"))
+    return int.from_bytes(h.digest(), "little") < val_fraction * 2.0**64
+
+
+def _batches(docs: Iterable[str], seed: int, val_fraction: float) -> Iterator[tuple[list[str], list[bool]]]:
+    batch, flags, chars = [], [], 0
+    for d in docs:
+        batch.append(d)
+        flags.append(held_out(d, seed, val_fraction))
+        chars += len(d)
+        if chars >= BATCH_CHARS:
+            yield batch, flags
+            batch, flags, chars = [], [], 0
+    if batch:
+        yield batch, flags
+
+
+def _prefetch(it: Iterator, depth: int = 2) -> Iterator:
+    """Run `it` on a helper thread, `depth` items ahead (reading and hashing overlap the encoding)."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+
+    def work():
+        try:
+            for item in it:
+                q.put(item)
+            q.put(done)
+        except BaseException as e:  # re-raised in the consumer
+            q.put(e)
+
+    threading.Thread(target=work, daemon=True).start()
+    while (item := q.get()) is not done:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
+def ids_with_eos(encodings, eos_id: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """The documents' ids, each followed by EOS, as one array, and each document's end offset in it."""
+    ids = [e.ids for e in encodings]
+    lens = np.fromiter(map(len, ids), np.int64, len(ids))
+    out = np.empty(int(lens.sum()) + len(ids), dtype=dtype)
+    eos_at = np.cumsum(lens + 1) - 1
+    body = np.ones(len(out), dtype=bool)
+    body[eos_at] = False
+    out[body] = np.fromiter(itertools.chain.from_iterable(ids), dtype, count=int(lens.sum()))
+    out[eos_at] = eos_id
+    return out, eos_at + 1
+
+
+def tokenize_corpus(docs: Iterable[str], out_dir: str, vocab_size: int, tokenizer: Optional[str] = None,
+                    val_fraction: float = 0.12, seed: int = 0, shard_tokens: int = 1 << 28,
+                    bpe_sample_docs: int = 20000, eos_token: Optional[str] = None, progress: bool = False) -> dict:
+    """Write tokenizer.json, the shards of both splits and meta.json into `out_dir`; return the stats."""
+    os.makedirs(out_dir, exist_ok=True)
+    docs = iter(docs)
+    if tokenizer is None:
+        sample = list(itertools.islice(docs, bpe_sample_docs))
+        tok = LoadedTokenizer(train_bpe(sample, vocab_size), 0, 0)
+        tok.eos_id, tok.vocab = tok.tokenizer.token_to_id(EOS), tok.tokenizer.get_vocab_size()
+        docs = itertools.chain(sample, docs)
+        del sample
+    else:
+        tok = load_tokenizer(tokenizer, eos_token)
+    if tok.vocab > vocab_size:
+        raise CorpusError(f"tokenizer has {tok.vocab} tokens but model.vocab_size is {vocab_size}; raise "
+                          "model.vocab_size")
+    tok.tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+    dtype = token_dtype(vocab_size)
+    writers = {s: ShardWriter(out_dir, s, dtype, shard_tokens) for s in ("train", "val")}
+    encode = getattr(tok.tokenizer, "encode_batch_fast", tok.tokenizer.encode_batch)
+    bar = _progress(progress)
+    t0, n_tokens = time.perf_counter(), 0
+    try:
+        for batch, flags in _prefetch(_batches(docs, seed, val_fraction)):
+            encs = encode(batch, add_special_tokens=False)
+            for split, want in (("train", False), ("val", True)):
+                sel = [e for e, f in zip(encs, flags) if f == want]
+                if sel:
+                    arr, ends = ids_with_eos(sel, tok.eos_id, dtype)
+                    writers[split].add(arr, ends)
+                    n_tokens += len(arr)
+            if bar is not None:
+                bar.update(len(batch))
+                bar.set_postfix(tokens=n_tokens, tok_per_s=f"{n_tokens / (time.perf_counter() - t0):.3g}")
+        shards = {s: w.finish() for s, w in writers.items()}
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    for split, want in (("train", "training"), ("val", "held-out")):
+        if not shards[split]:
+            raise CorpusError(f"no {want} documents: the corpus is too small for tokenize.val_fraction="
+                              f"{val_fraction} (documents are split by hash)")
+    meta = write_index(out_dir, shards, dtype, vocab_size, tok.vocab, tok.eos_id)
+    seconds = time.perf_counter() - t0
+    stats = {"documents": sum(sp["documents"] for sp in meta["splits"].values()), "vocab_size": vocab_size,
+             "tokenizer_vocab": tok.vocab, "eos_id": tok.eos_id, "dtype": dtype.name, "encode_seconds": seconds,
+             "tokens_per_s": n_tokens / seconds if seconds > 0 else 0.0}
+    for split, sp in meta["splits"].items():
+        stats.update({f"{split}_tokens": sp["tokens"], f"{split}_documents": sp["documents"],
+                      f"{split}_shards": len(sp["shards"])})
+    return stats
+
+
+def _progress(enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(unit=" docs", desc="tokenize", mininterval=2.0, dynamic_ncols=True)
 
 
 def replace_folder(new: str, final: str) -> None:
@@ -106,44 +234,3 @@ def replace_folder(new: str, final: str) -> None:
     os.rename(new, final)
     if old:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def tokenize_corpus(docs: list[str], out_dir: str, vocab_size: int, tokenizer: Optional[str],
-                    val_fraction: float, seed: int) -> dict:
-    """Write tokenizer.json, train.bin, val.bin, meta.json; return stats. Held-out split is by document."""
-    os.makedirs(out_dir, exist_ok=True)
-    if tokenizer is None:
-        tok = train_bpe(docs, vocab_size)
-        tok.save(os.path.join(out_dir, "tokenizer.json"))
-        encode = lambda batch: [e.ids for e in tok.encode_batch(batch)]  # noqa: E731
-        eos_id, n_vocab = tok.token_to_id(EOS), tok.get_vocab_size()
-    else:
-        hf_tok = load_hf_tokenizer(tokenizer)
-        hf_tok.backend_tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
-        encode = lambda batch: hf_tok(batch, add_special_tokens=False)["input_ids"]  # noqa: E731
-        eos_id, n_vocab = hf_tok.eos_token_id, len(hf_tok)
-        if eos_id is None:
-            raise CorpusError(f"tokenizer {tokenizer!r} has no EOS token")
-    if n_vocab > vocab_size:
-        raise CorpusError(f"tokenizer has {n_vocab} tokens but model.vocab_size is {vocab_size}")
-    order = np.random.default_rng(seed).permutation(len(docs))
-    n_val = max(1, int(round(len(docs) * val_fraction)))
-    if len(docs) - n_val < 1:
-        raise CorpusError(f"corpus has {len(docs)} documents: too few for a train/held-out split")
-    splits = {"val": order[:n_val], "train": order[n_val:]}
-    dtype = token_dtype(vocab_size)
-    stats = {"documents": len(docs), "vocab_size": vocab_size, "tokenizer_vocab": n_vocab, "eos_id": eos_id,
-             "dtype": dtype.name}
-    for split, idx in splits.items():
-        ids: list[int] = []
-        batch = [docs[i] for i in idx]
-        for start in range(0, len(batch), 256):
-            for seq in encode(batch[start:start + 256]):
-                ids.extend(seq)
-                ids.append(eos_id)
-        write_shard(os.path.join(out_dir, f"{split}.bin"), np.asarray(ids, dtype=dtype))
-        stats[f"{split}_tokens"] = len(ids)
-        stats[f"{split}_documents"] = len(idx)
-    with open(os.path.join(out_dir, "meta.json"), "w") as f:
-        json.dump(stats, f, indent=2)
-    return stats

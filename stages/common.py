@@ -48,7 +48,7 @@ def run(main) -> None:
     from spes.devices import DeviceError
     from spes.hf import HFConversionError
     from spes.store import StoreError
-    from spes.tokenization import CorpusError
+    from spes.corpus import CorpusError
     from spes.upcycle import UpcycleError
 
     name = os.path.basename(sys.argv[0]).removesuffix(".py") if sys.argv and sys.argv[0] else "stage"

@@ -11,10 +11,6 @@ import time
 
 from stages.common import out_dir, parse, run, write_json
 
-DENSE_STREAM = 10_000
-"""The dense run's data stream id: apart from the SPES nodes' streams (0..num_nodes-1)."""
-
-
 def main() -> None:
     _, p = parse(__doc__)
     d = out_dir(p, "dense")
@@ -39,7 +35,8 @@ def main() -> None:
     check_vocab(p.model.vocab_size, data, tokens)
     model = dataclasses.replace(p.model, num_experts=0).build().to(resolve_device(p.orchestration.device))
     trainer = NodeTrainer(model, (), p.dense.optim, p.dense.steps, autocast_dtype=p.spes.autocast)
-    stream = BatchStream(data.train, p.dense.batch_size, p.dense.seq_len, p.dense.seed, node=DENSE_STREAM)
+    # one reader in the run's data order, keyed by its own seed
+    stream = BatchStream(data.train, p.dense.batch_size, p.dense.seq_len, p.dense.seed, node=0, order=p.data.order)
     e = p.eval
     before = heldout_loss(model, data.val, e.batch_size, e.seq_len, e.batches)["loss"]
     t0 = time.time()

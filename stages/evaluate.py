@@ -62,7 +62,7 @@ def main() -> None:
 
     hf_dir = os.path.join(d, "hf")
     export_hf(model, hf_dir, os.path.join(p.artifacts_dir, "tokens", "tokenizer.json"))
-    x = torch.from_numpy(data.val[: 2 * e.seq_len].astype("int64")).view(2, e.seq_len)
+    x = torch.from_numpy(data.val.read(0, 2 * e.seq_len).astype("int64")).view(2, e.seq_len)
     with torch.no_grad():
         parity = (to_hf(model)(x).logits - model(x).logits).abs().max().item()
     metrics = {"final_round": rounds[-1], "heldout_loss": final["loss"], "heldout_perplexity": final["perplexity"],

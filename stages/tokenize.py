@@ -1,38 +1,46 @@
-"""DVC stage `tokenize`: corpus -> tokenizer + token shards (train/val) + stats."""
+"""DVC stage `tokenize`: corpus -> tokenizer + token shards (train/val) + stats, streamed.
+
+The output is written into a temporary folder beside `artifacts/tokens` and swapped in only when complete,
+so an interrupted or failed run leaves the previous tokens (and their tokenizer) as they were.
+"""
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 import time
 
-from stages.common import parse, run, write_json
+from stages.common import out_dir, parse, run, write_json
 
 
 def main() -> None:
     _, p = parse(__doc__)
-    from spes.tokenization import CorpusError, default_corpus_files, load_corpus, replace_folder, tokenize_corpus
+    from spes.corpus import CorpusStats, iter_documents
+    from spes.tokenization import replace_folder, tokenize_corpus
 
     t = p.tokenize
     t0 = time.time()
     final = os.path.join(p.artifacts_dir, "tokens")
     os.makedirs(p.artifacts_dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix=".tokens-", dir=p.artifacts_dir)  # same filesystem: renames are atomic
+    corpus = CorpusStats()
     try:
-        corpus = t.corpus if t.corpus is not None else default_corpus_files(t.max_files)
-        docs = list(load_corpus(corpus, t.corpus_format, t.text_field, p.storage.options or None
-                                if t.corpus and t.corpus.startswith("s3://") else None))
-        stats = tokenize_corpus(docs, work, p.model.vocab_size, t.tokenizer, t.val_fraction, t.seed)
-        stats["seconds"] = round(time.time() - t0, 2)
-        stats["corpus"] = t.corpus or "python-stdlib"
+        docs = iter_documents(t, p.storage.options or None, corpus)
+        stats = tokenize_corpus(docs, work, p.model.vocab_size, t.tokenizer, t.val_fraction, t.seed, t.shard_tokens,
+                                t.bpe_sample_docs, t.eos_token, progress=sys.stderr.isatty())
+        stats.update(seconds=round(time.time() - t0, 2), corpus=t.dataset or t.corpus or "python-stdlib",
+                     files=corpus.files, bad_files=len(corpus.bad_files), empty_documents=corpus.empty)
         write_json(os.path.join(work, "stats.json"), stats)
         replace_folder(work, final)  # only a complete folder replaces the old one
-    except CorpusError as e:
-        raise SystemExit(f"tokenize: {e}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"tokenize: {stats['documents']} documents, {stats['train_tokens']} train / {stats['val_tokens']} "
-          f"held-out tokens in {stats['seconds']}s")
+    write_json(os.path.join(out_dir(p, "tokenize"), "metrics.json"), stats)
+    skipped = f", {len(corpus.bad_files)} unreadable files skipped" if corpus.bad_files else ""
+    print(f"tokenize: {stats['documents']} documents from {corpus.files} files{skipped}: {stats['train_tokens']} "
+          f"train / {stats['val_tokens']} held-out tokens ({stats['val_documents']} documents) in "
+          f"{stats['train_shards'] + stats['val_shards']} shards, {stats['tokens_per_s']:.0f} tokens/s, "
+          f"{stats['seconds']}s")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def main() -> None:
         except (HFConversionError, UpcycleError) as e:
             raise SystemExit(f"upcycle: {source}: {e}")
         # How far the upcycled MoE is from the dense function (0 up to float error with no noise + normalized gates).
-        x = torch.from_numpy(data.val[: 2 * 64].astype("int64")).view(2, 64)
+        x = torch.from_numpy(data.val.read(0, 2 * 64).astype("int64")).view(2, 64)
         with torch.no_grad():
             metrics["max_abs_logit_diff_vs_dense"] = (model(x).logits - dense(x).logits).abs().max().item()
     save_file(model.canonical_state_dict(), os.path.join(d, "model.safetensors"))

@@ -27,7 +27,7 @@ from spes.runs.layout import MODEL_FILE, RunLayout
 from spes.store import NotCommitted, Store, StoreError
 from spes.tensorio import tensors_sha256
 
-FINGERPRINT_SECTIONS = ("model", "init", "spes", "sync", "tokenize", "dense")
+FINGERPRINT_SECTIONS = ("model", "init", "spes", "sync", "tokenize", "data", "dense")
 NOT_IN_FINGERPRINT = {"model": ("experts_impl",)}
 """Implementation choices that leave the maths alone, like the device and storage placement."""
 log = logging.getLogger("spes.runs")
