@@ -16,10 +16,9 @@ from typing import Optional
 from prefect import flow
 
 from pipelines.faults import FaultPlan
-from spes.data import TokenData
+from pipelines.node_ranks import run_node
 from spes.devices import node_threads
 from spes.params import params_from_dict
-from spes.node_round import node_round
 from spes.store import Store
 from spes.token_share import fetch_tokens
 
@@ -29,14 +28,14 @@ def spes_node(params: dict, run: str, r: int, node: int, tokens: Optional[str] =
     p = params_from_dict(params)
     import torch
 
-    torch.set_num_threads(node_threads(p, 1))  # a deployment node has its machine to itself
+    threads = node_threads(p, 1)  # a deployment node has its machine to itself
+    torch.set_num_threads(threads)
     store = Store.from_config(p.storage)
+    folder = os.path.join(p.artifacts_dir, "tokens")
     if tokens:
-        data = fetch_tokens(store, tokens, p.orchestration.node_cache_dir)
-    else:
-        data = TokenData.open(os.path.join(p.artifacts_dir, "tokens"))
-    return node_round(p, store, run, r, node, data, on_step=FaultPlan.from_env().hook(run, r, node),
-                      checkpoint=checkpoint)
+        folder = fetch_tokens(store, tokens, p.orchestration.node_cache_dir).folder
+    return run_node(p, store, run, r, node, folder, threads, on_step=FaultPlan.from_env().hook(run, r, node),
+                    checkpoint=checkpoint)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """A node's long-lived process: `python -m pipelines.node_worker` reads one JSON command per line on stdin,
   {"params": {...resolved params...}, "run": "...", "round": r, "node": i, "checkpoint": bool}
-runs that node's round (spes.node_round: its state from its local folder, the global from storage) and
+runs that node's round (spes.node_round: its state from its local folder, the global from storage; a
+torchrun job of orchestration.gpus_per_node ranks where that is > 1, see node_ranks.py) and
 answers one line `RESULT {...}` on stdout with the node's meta. Staying alive across rounds saves the
 interpreter and torch start (seconds per round on small machines); since every round reloads its state
 (its local folder, and storage), a killed worker is simply replaced and the result is the same.
@@ -20,9 +21,8 @@ def serve() -> int:
     import torch._dynamo  # noqa: F401  the first optimizer construction imports it (~3 s): pay that before round 1
 
     from pipelines.faults import FaultPlan
-    from spes.data import TokenData
+    from pipelines.node_ranks import run_node
     from spes.devices import node_threads
-    from spes.node_round import node_round
     from spes.params import params_from_dict
     from spes.runs import RunLayout
     from spes.store import Store
@@ -34,11 +34,12 @@ def serve() -> int:
         cmd = json.loads(line)
         try:
             p = params_from_dict(cmd["params"])
-            torch.set_num_threads(node_threads(p, p.spes.nodes))
+            threads = node_threads(p, p.spes.nodes)
+            torch.set_num_threads(threads)
             r, node, run = int(cmd["round"]), int(cmd["node"]), cmd["run"]
             store = Store.from_config(p.storage)
-            meta = node_round(p, store, run, r, node, TokenData.open(os.path.join(p.artifacts_dir, "tokens")),
-                              on_step=faults.hook(run, r, node), checkpoint=bool(cmd.get("checkpoint")))
+            meta = run_node(p, store, run, r, node, os.path.join(p.artifacts_dir, "tokens"), threads,
+                            on_step=faults.hook(run, r, node), checkpoint=bool(cmd.get("checkpoint")))
             faults.after_commit(run, r, node, store.path(RunLayout(run).node_dir(r, node)))
             out = {"ok": True, "meta": meta}
         except Exception as e:  # report, stay alive for the next command

@@ -184,6 +184,17 @@ class SpesConfig:
     rounds: int = 12
     """Total sync rounds."""
     batch_size: int = 8
+    """Sequences per optimizer step on each node (split over its ranks and micro-batches)."""
+    micro_batch_size: Optional[int] = None
+    """Sequences per forward/backward pass; the step accumulates gradients over batch_size / (ranks x
+    micro_batch_size) of them. None = the whole per-rank batch at once. The load-balance loss is computed
+    per micro-batch and averaged (spes.losses.grouped_load_balance_loss), so the step's loss and gradients
+    do not depend on how the batch is split into ranks and micro-batches beyond that grouping."""
+    activation_checkpointing: str = "none"
+    """'none', or 'block': keep only each transformer block's input and recompute the rest in the backward
+    pass (less activation memory for about one more forward pass; the same numbers)."""
+    compile: bool = False
+    """torch.compile each transformer block (first steps of each node process pay the compile time)."""
     seq_len: int = 128
     seed: int = 0
     token_weighted: bool = False
@@ -270,6 +281,9 @@ class OrchestrationConfig:
     node_state_dir: Optional[str] = None
     """Each node's own state between rounds, on its own machine (spes/node_state.py);
     None = <node_cache_dir>/state."""
+    gpus_per_node: int = 1
+    """Ranks of one node: >1 runs each node round as a torchrun job, data parallel (DDP) over the node's
+    devices (GPUs, or CPU processes with gloo where device is cpu); rank 0 alone reads and writes storage."""
     threads_per_node: Optional[int] = None
     """Torch threads per node process; None = this machine's cores shared among the nodes it runs (process
     executor), all of them for a deployment node."""

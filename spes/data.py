@@ -46,6 +46,7 @@ class TokenData:
     """The tokenizer's vocabulary: every id is below it."""
     eos_id: int
     meta: dict
+    folder: str
 
     @classmethod
     def open(cls, folder: str) -> "TokenData":
@@ -74,7 +75,7 @@ class TokenData:
                     raise DataError(f"token shard {p} has {size} bytes, meta.json says {s['tokens']} {dtype.name} "
                                     "tokens: truncated or foreign file")
             splits[split] = TokenSequence.open(folder, shards, dtype)
-        return cls(splits["train"], splits["val"], int(meta["tokenizer_vocab"]), int(meta["eos_id"]), meta)
+        return cls(splits["train"], splits["val"], int(meta["tokenizer_vocab"]), int(meta["eos_id"]), meta, folder)
 
     def shard_files(self) -> list[str]:
         return [s["file"] for split in ("train", "val") for s in self.meta["splits"][split]["shards"]]

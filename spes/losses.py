@@ -21,6 +21,22 @@ def load_balance_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int
     return E * torch.sum(f_E * probs_TE.mean(dim=0))
 
 
+def grouped_load_balance_loss(probs_TE: torch.Tensor, top_idx_TK: torch.Tensor, groups: int, top_k: int,
+                              expert_weight_E: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The load-balance loss of each of `groups` equal, consecutive groups of tokens, averaged: what a step
+    computes when its batch goes through in `groups` micro-batches (each forward balances its own tokens,
+    as megablocks does per forward call), so accumulation and a single pass give the same loss."""
+    T, E = probs_TE.shape
+    P_GE = probs_TE.view(groups, T // groups, E).mean(dim=1)
+    idx_GR = top_idx_TK.reshape(groups, -1)
+    counts_GE = torch.zeros(groups, E, dtype=probs_TE.dtype, device=probs_TE.device)
+    counts_GE.scatter_add_(1, idx_GR, torch.ones_like(idx_GR, dtype=probs_TE.dtype))
+    f_GE = counts_GE / (T // groups * top_k)
+    if expert_weight_E is not None:
+        f_GE = f_GE * expert_weight_E
+    return E * (f_GE * P_GE).sum(dim=1).mean()
+
+
 def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
     """ST-MoE z-loss: mean over tokens of logsumexp(logits)^2; keeps router logits small."""
     return torch.logsumexp(logits_TE, dim=-1).square().mean()

@@ -13,9 +13,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from spes.config import ModelConfig
-from spes.losses import load_balance_loss, router_z_loss
+from spes.losses import grouped_load_balance_loss, load_balance_loss, router_z_loss
 from spes.moe import MoE
 
 
@@ -142,14 +143,23 @@ class CausalLM(nn.Module):
             if isinstance(mod, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(mod.weight, std=self.cfg.init_std)
 
+    activation_checkpointing = False
+    """Recompute each block's activations in the backward pass instead of keeping them (set by the trainer)."""
+
     def forward(self, input_ids_BS: torch.Tensor, labels_BS: Optional[torch.Tensor] = None,
-                lb_expert_weight_E: Optional[torch.Tensor] = None) -> ModelOutput:
+                lb_expert_weight_E: Optional[torch.Tensor] = None, lb_groups: int = 1) -> ModelOutput:
+        """`lb_groups`: the load-balance loss is the mean of that of `lb_groups` equal groups of sequences
+        (the micro-batches a batch would be split into; see spes.losses.grouped_load_balance_loss)."""
         B, S = input_ids_BS.shape
         x = self.model.embed_tokens(input_ids_BS)
         cos, sin = rope_cos_sin(S, self.cfg.dim_per_head, self.cfg.rope_theta, x.device, x.dtype)
         routers = []
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for layer in self.model.layers:
-            x, r = layer(x, cos, sin)
+            if recompute:  # non-reentrant: keeps the router outputs, recomputes bitwise-equal activations
+                x, r = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x, r = layer(x, cos, sin)
             if r is not None:
                 routers.append(r)
         logits = self.lm_head(self.model.norm(x))
@@ -165,7 +175,11 @@ class CausalLM(nn.Module):
             out.loss = out.loss + self.cfg.lm_head_z_loss_coef * torch.logsumexp(logits32, dim=-1).square().mean()
         if routers:
             k = self.cfg.top_k
-            out.lb = torch.stack([load_balance_loss(r.probs_TE, r.counts_E, k, lb_expert_weight_E)
+            if B % lb_groups:
+                raise ValueError(f"{B} sequences do not split into {lb_groups} load-balance groups")
+            out.lb = torch.stack([load_balance_loss(r.probs_TE, r.counts_E, k, lb_expert_weight_E) if lb_groups == 1
+                                  else grouped_load_balance_loss(r.probs_TE, r.top_idx_TK, lb_groups, k,
+                                                                 lb_expert_weight_E)
                                   for r in routers]).mean()
             z_L = torch.stack([router_z_loss(r.logits_TE) for r in routers])
             out.z = z_L.sum() if self.cfg.z_loss_reduction == "sum" else z_L.mean()

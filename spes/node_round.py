@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -20,7 +21,8 @@ from spes.codecs import make_codec
 from spes.config import ModelConfig, Params
 from spes.data import BatchStream, TokenData
 from spes.devices import resolve_device
-from spes.node_state import NodeStateDir
+from spes.distributed import broadcast_object, broadcast_tensors, rank_and_size
+from spes.node_state import NodeState, NodeStateDir
 from spes.runs.layout import RunLayout
 from spes.runs.run import Run
 from spes.store import BundleWriter, Store, StoreError
@@ -64,14 +66,20 @@ def _check_finite(losses: list[float], first_step: int, node: int, r: int, train
                                 "nothing committed")
 
 
-def node_round(p: Params, store: Store, run: str, r: int, node: int, data: TokenData,
-               on_step: Optional[Callable[[int], None]] = None, checkpoint: bool = False) -> dict:
-    """Run node `node`'s `sync_steps` local steps of round r and commit its upload; returns its meta."""
-    s, layout = p.spes, RunLayout(run)
-    rel = layout.node_dir(r, node)
-    if store.is_committed(rel):  # a retry after the node already finished: idempotent
-        return node_meta(store.read_manifest(rel))
-    t0, read0, written0 = time.perf_counter(), store.bytes_read, store.bytes_written
+@dataclass
+class RoundInputs:
+    """What a node needs to train round r, read by rank 0 (from storage and its own folder)."""
+
+    prev: dict[str, torch.Tensor]
+    prev_sha: str
+    model_config: dict
+    state: Optional[NodeState]
+    ref: Optional[dict]
+    local: NodeStateDir
+
+
+def _round_inputs(p: Params, store: Store, run: str, r: int, node: int) -> RoundInputs:
+    layout = RunLayout(run)
     info = Run(store, run).info()
     if info is None:
         raise StoreError(f"run {run!r} has no info on {store.url}")
@@ -85,27 +93,58 @@ def node_round(p: Params, store: Store, run: str, r: int, node: int, data: Token
     # its own experts' rows in the delta are the bytes it uploaded last: no need to download them back
     own_cached = {experts_file(node): (state.experts_sha256, state.experts_upload)} \
         if state is not None and state.experts_upload else None
-    prev, prev_sha = fetch_global(store, layout, r - 1, prev_manifest, codec, s.method, local.base(), local.load_base,
-                                  own_cached)
+    prev, prev_sha = fetch_global(store, layout, r - 1, prev_manifest, codec, p.spes.method, local.base(),
+                                  local.load_base, own_cached)
     if local.base() != (r - 1, prev_sha) and local.save_base(r - 1, prev) != prev_sha:
         raise StoreError(f"node {node}: global {r - 1} as held here does not hash to the committed {prev_sha[:12]}")
+    return RoundInputs(prev, prev_sha, prev_meta["model_config"], state, ref, local)
 
-    device = resolve_device(p.orchestration.device, node)
-    model = ModelConfig(**prev_meta["model_config"]).build()
+
+def _share(inputs: Optional[RoundInputs]) -> tuple[dict, dict, dict, int]:
+    """(global r-1, model config, optimizer tensors, data position) on every rank of the node."""
+    lead = inputs is not None
+    small = broadcast_object((inputs.model_config, inputs.state.data_position if inputs.state else 0,
+                              inputs.state is not None) if lead else None)
+    prev = broadcast_tensors(inputs.prev if lead else None)
+    optim = broadcast_tensors(inputs.state.optim if lead and inputs.state else None) if small[2] else {}
+    return prev, small[0], optim, small[1]
+
+
+def node_round(p: Params, store: Store, run: str, r: int, node: int, data: TokenData,
+               on_step: Optional[Callable[[int], None]] = None, checkpoint: bool = False) -> Optional[dict]:
+    """Run node `node`'s `sync_steps` local steps of round r and commit its upload; returns its meta.
+
+    On a node of several ranks (torch.distributed initialized) every rank calls this: each trains on its
+    share of every batch (data parallel), rank 0 alone reads and writes storage and returns the meta
+    (the others return None)."""
+    s, layout = p.spes, RunLayout(run)
+    rank, ranks = rank_and_size()
+    lead = rank == 0
+    rel = layout.node_dir(r, node)
+    if broadcast_object(lead and store.is_committed(rel)):  # a retry after the node already finished
+        return node_meta(store.read_manifest(rel)) if lead else None
+    t0, read0, written0 = time.perf_counter(), store.bytes_read, store.bytes_written
+    inputs = _round_inputs(p, store, run, r, node) if lead else None
+    prev, model_config, optim, position = _share(inputs)
+
+    device = resolve_device(p.orchestration.device, node * ranks + rank)
+    model = ModelConfig(**model_config).build()
     model.load_canonical_state_dict(prev)
     trainer = build_node_trainer(s, model.to(device), node)
-    if state is not None:
-        trainer.load_optimizer_tensors(state.optim)
+    if optim:
+        trainer.load_optimizer_tensors(optim)
     torch.manual_seed(node_seed(s.seed, node, r))
-    stream = BatchStream(data.train, s.node_batch_size, s.seq_len, s.seed, node, state.data_position if state else 0,
-                         order=p.data.order, num_nodes=s.nodes)
+    stream = BatchStream(data.train, s.node_batch_size, s.seq_len, s.seed, node, position, order=p.data.order,
+                         num_nodes=s.nodes)
+    share = slice(rank * s.node_batch_size // ranks, (rank + 1) * s.node_batch_size // ranks)
     t_load = time.perf_counter() - t0
 
     losses, tokens, counts = [], 0, None
     t1 = time.perf_counter()
     first_step = (r - 1) * s.sync_steps
     for i in range(s.sync_steps):
-        m = trainer.train_step(*stream.next(), first_step + i)
+        x, y = stream.next()  # the node's batch; this rank's rows of it
+        m = trainer.train_step(x[share], y[share], first_step + i)
         losses.append(m.ce)
         tokens += m.tokens
         if m.expert_counts_LE is not None:
@@ -114,10 +153,14 @@ def node_round(p: Params, store: Store, run: str, r: int, node: int, data: Token
             on_step(i)
     losses = torch.stack(losses).tolist()  # the round's one wait for the device
     t_compute = time.perf_counter() - t1
+    if not lead:
+        return None
 
     t2 = time.perf_counter()
     trained = trainer.upload()
     _check_finite(losses, first_step, node, r, trained)
+    state, local = inputs.state, inputs.local
+    codec = make_codec(p.sync.codec, p.sync.int8_block)
     files, residual = encode_upload(s.method, codec, prev, trained, trainer.owned,
                                     state.residual if state is not None else None, p.sync.error_feedback)
     saved = local.save_state(r, stream.position, trainer.optimizer_tensors(), residual, files.get(EXPERTS_FILE, {}))
@@ -126,11 +169,11 @@ def node_round(p: Params, store: Store, run: str, r: int, node: int, data: Token
         store.write_bundle(layout.state_dir(r, node), saved["files"], saved["meta"])
     bytes_down = store.bytes_read - read0
     meta = {"round": r, "node": node, "experts": list(trainer.owned), "tokens": tokens,
-            "base_round": r - 1, "base_sha256": prev_sha, "codec": codec.name,
+            "base_round": r - 1, "base_sha256": inputs.prev_sha, "codec": codec.name,
             "state": {"round": r, "digest": saved["digest"], "checkpoint": checkpoint},
             "step_end": r * s.sync_steps, "loss_first": losses[0], "loss_last": losses[-1],
             "loss_mean": sum(losses) / len(losses), "losses": losses,
-            "expert_load": counts.cpu().tolist() if counts is not None else [],
+            "expert_load": counts.cpu().tolist() if counts is not None else [], "ranks": ranks,
             "bytes_down": bytes_down, "seconds_load": t_load, "seconds_compute": t_compute, "device": str(device),
             "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
     up = BundleWriter(store, rel)
@@ -138,5 +181,6 @@ def node_round(p: Params, store: Store, run: str, r: int, node: int, data: Token
         up.add(fname, parts)
     meta["bytes_up_files"] = store.bytes_written - written0
     manifest = up.commit(meta)
+    ref = inputs.ref
     local.prune_before(min(int(ref["round"]) if ref else 0, last_checkpoint_round(r, p.checkpoint.every_rounds)))
     return {**node_meta(manifest), "seconds_save": time.perf_counter() - t2}

@@ -1,6 +1,7 @@
 """Reading and validating `params.yaml`: the one place a configuration is checked.
 
-`load_params` merges the YAML (and `key=value` overrides) onto the schema in `spes/config.py`, so
+`load_params` merges the YAML (after the file it `include`s, if any: the presets under configs/) and
+`key=value` overrides onto the schema in `spes/config.py`, so
 unknown keys and wrong types fail at load time; `validate` then checks every cross-field invariant
 and returns one-line errors naming the key, before any compute or any write to storage. It reads no
 files besides the params file itself (deployment nodes re-validate and hold no corpus).
@@ -12,7 +13,7 @@ import re
 from typing import Any, Optional
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from spes.codecs import CODECS
@@ -93,6 +94,16 @@ def _check_training(p: Params) -> None:
     _need(s.rounds >= 1, f"spes.rounds must be >= 1, got {s.rounds}")
     _need(0 <= s.warmup_rounds <= s.rounds, f"spes.warmup_rounds ({s.warmup_rounds}) must be in [0, spes.rounds={s.rounds}]")
     _need(s.batch_size >= 1, f"spes.batch_size must be >= 1, got {s.batch_size}")
+    ranks = p.orchestration.gpus_per_node
+    _need(ranks >= 1, f"orchestration.gpus_per_node must be >= 1, got {ranks}")
+    _need(s.batch_size % ranks == 0,
+          f"spes.batch_size ({s.batch_size}) must be a multiple of orchestration.gpus_per_node ({ranks})")
+    mb = s.micro_batch_size
+    _need(mb is None or (mb >= 1 and (s.batch_size // ranks) % mb == 0),
+          f"spes.micro_batch_size ({mb}) must divide the per-rank batch (spes.batch_size / "
+          f"orchestration.gpus_per_node = {s.batch_size // ranks})")
+    _need(s.activation_checkpointing in ("none", "block"),
+          f"spes.activation_checkpointing must be none|block, got {s.activation_checkpointing!r}")
     _check_seq(s.seq_len, "spes.seq_len", m.max_seq_len)
     _check_optim(s.optim, "spes.optim")
     _need(s.frozen_dtype in ("float32", "bfloat16"), f"spes.frozen_dtype must be float32|bfloat16, got {s.frozen_dtype!r}")
@@ -174,19 +185,33 @@ def _to_params(*configs: Any, where: str = "") -> Params:
 
 def load_params(path: str = "params.yaml", overrides: Optional[list[str]] = None) -> Params:
     """Read `path` onto the schema, apply `key=value` overrides, validate. One error line on failure."""
-    if not os.path.exists(path):
-        raise ConfigError(f"params file not found: {path}")
     try:
         dotlist = OmegaConf.from_dotlist(list(overrides or []))
     except OmegaConfBaseException as e:
         raise ConfigError(f"bad override in {overrides}: {str(e).splitlines()[0]}") from None
+    return _to_params(*_load_with_includes(path, ()), dotlist, where=f"{path}: ")
+
+
+def _load_with_includes(path: str, seen: tuple[str, ...]) -> list:
+    """The YAML at `path`, preceded by what its `include:` names (a file relative to it, itself possibly
+    including another): presets under configs/ change a few keys of params.yaml this way."""
+    real = os.path.realpath(path)
+    if real in seen:
+        raise ConfigError(f"{path}: include cycle ({' -> '.join(seen + (real,))})")
+    if not os.path.exists(path):
+        raise ConfigError(f"params file not found: {path}" + (f" (included by {seen[-1]})" if seen else ""))
     try:
         loaded = OmegaConf.load(path)
     except yaml.YAMLError as e:  # e.g. a duplicate key (two variants of one name): never silently the last
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""
         raise ConfigError(f"{path}: {getattr(e, 'problem', None) or e}{where}") from None
-    return _to_params(loaded, dotlist, where=f"{path}: ")
+    include = loaded.pop("include", None) if isinstance(loaded, DictConfig) else None
+    if include is None:
+        return [loaded]
+    if not isinstance(include, str):
+        raise ConfigError(f"{path}: include must be one file name, got {include!r}")
+    return _load_with_includes(os.path.join(os.path.dirname(path), include), seen + (real,)) + [loaded]
 
 
 def params_from_dict(d: dict) -> Params:

@@ -31,8 +31,9 @@ from spes.shards import ShardWriter
 
 EOS = "<|endoftext|>"
 EOS_CANDIDATES = (EOS, "</s>", "<|end_of_text|>", "<eos>", "<|eos|>")
-BATCH_CHARS = 4 << 20
-"""Characters per encoding batch: big enough to keep every core busy, small enough to bound memory."""
+BATCH_CHARS = 1 << 20
+"""Characters per encoding batch: enough to keep every core busy; small, since the library holds several
+times the batch in its encodings (4 MiB batches let the peak memory creep up with the corpus size)."""
 
 
 @dataclass

@@ -8,6 +8,7 @@ is on the CPU. Step metrics stay on the device (0-dim tensors) so a step never w
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Iterable, Optional
@@ -40,16 +41,23 @@ class StepMetrics:
 
 
 class NodeTrainer:
+    """One node's optimizer steps. With torch.distributed initialized (a node of several ranks), the model
+    is wrapped in DistributedDataParallel: each rank takes its share of the step's batch, gradients are
+    averaged once per step (not per micro-batch), and every rank keeps the same replica and Adam state;
+    frozen experts are outside DDP's reduction (no gradient)."""
+
     def __init__(self, model: CausalLM, owned: Iterable[int], optim: OptimConfig, total_steps: int,
                  frozen_dtype: torch.dtype = torch.float32, decayed_lb: bool = False,
-                 autocast_dtype: Optional[str] = None):
+                 autocast_dtype: Optional[str] = None, micro_batch_size: Optional[int] = None):
         self.model, self.cfg, self.total_steps = model, optim, total_steps
         self.device = next(model.parameters()).device
         self.autocast_dtype = autocast_dtype
+        self.micro_batch_size = micro_batch_size
         self.owned = tuple(sorted(owned))
         self.decayed_lb = decayed_lb
         if model.cfg.is_moe:
             model.set_trainable_experts(self.owned, frozen_dtype)
+        self.ddp = _wrap_ddp(model)
         decay, no_decay = [], []
         for _, p in self.trainable_named_parameters():
             (decay if p.ndim >= 2 or optim.decay_norms else no_decay).append(p)
@@ -68,19 +76,41 @@ class NodeTrainer:
         return w
 
     def train_step(self, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor, step: int) -> StepMetrics:
+        """One optimizer step on the node's batch (on several ranks: this rank's share of it), in
+        micro-batches of `micro_batch_size` sequences with gradients accumulated."""
         self.model.train()
         for g in self.optimizer.param_groups:
             g["lr"] = lr_at(step, self.cfg, self.total_steps)
-        input_ids_BS = input_ids_BS.to(self.device, non_blocking=True)
-        labels_BS = labels_BS.to(self.device, non_blocking=True)
-        with autocast(self.device, self.autocast_dtype):
-            out: ModelOutput = self.model(input_ids_BS, labels_BS, self._lb_expert_weight(step))
+        B = input_ids_BS.shape[0]
+        mb = self.micro_batch_size or B
+        if B % mb:
+            raise ValueError(f"a batch of {B} sequences does not split into micro-batches of {mb}")
+        k = B // mb
+        lb_weight = self._lb_expert_weight(step)
         self.optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
+        ce, counts = None, None
+        for i in range(k):
+            x = input_ids_BS[i * mb:(i + 1) * mb].to(self.device, non_blocking=True)
+            y = labels_BS[i * mb:(i + 1) * mb].to(self.device, non_blocking=True)
+            last = i == k - 1
+            with self._no_sync(not last), autocast(self.device, self.autocast_dtype):
+                out: ModelOutput = (self.ddp or self.model)(x, y, lb_weight)
+            with self._no_sync(not last):
+                (out.loss / k).backward()  # the step's loss is the mean over its micro-batches
+            ce = out.ce.detach() / k if ce is None else ce + out.ce.detach() / k
+            if out.expert_counts_LE is not None:
+                counts = out.expert_counts_LE if counts is None else counts + out.expert_counts_LE
         if self.cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_([p for _, p in self.trainable_named_parameters()], self.cfg.grad_clip)
         self.optimizer.step()
-        return StepMetrics(out.ce.detach(), input_ids_BS.numel(), out.expert_counts_LE)
+        tokens = B * input_ids_BS.shape[1]
+        if self.ddp is not None:  # report the node's step: mean loss, all ranks' tokens and expert loads
+            ce, counts, tokens = _node_totals(ce, counts, tokens)
+        return StepMetrics(ce, tokens, counts)
+
+    def _no_sync(self, skip: bool):
+        """DDP reduces gradients in the last micro-batch's backward only."""
+        return self.ddp.no_sync() if self.ddp is not None and skip else contextlib.nullcontext()
 
     # -- what goes up at a sync: shared params + owned expert rows (canonical names) ----------------
     @torch.no_grad()
@@ -125,6 +155,32 @@ class NodeTrainer:
             }
 
 
+def _wrap_ddp(model: CausalLM):
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    from torch.nn.parallel import DistributedDataParallel
+
+    dev = next(model.parameters()).device
+    return DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
+                                   broadcast_buffers=False)
+
+
+def _node_totals(ce: torch.Tensor, counts: Optional[torch.Tensor], tokens: int):
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    ce = ce.clone()
+    dist.all_reduce(ce)
+    tok = torch.tensor([tokens], device=ce.device)
+    dist.all_reduce(tok)
+    if counts is not None:
+        counts = counts.clone()
+        dist.all_reduce(counts)
+    return ce / world, counts, int(tok.item())
+
+
 FROZEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -133,4 +189,9 @@ def build_node_trainer(s: SpesConfig, model: CausalLM, node: int) -> NodeTrainer
     blocks; every expert for the baselines) trainable, the others frozen in `spes.frozen_dtype`."""
     cfg = model.cfg
     own = ownership_for(s.method, cfg.num_experts, s.nodes, s.ownership).owned(node) if cfg.is_moe else ()
-    return NodeTrainer(model, own, s.optim, s.total_steps, FROZEN_DTYPES[s.frozen_dtype], s.decayed_lb, s.autocast)
+    model.activation_checkpointing = s.activation_checkpointing == "block"
+    if s.compile:
+        for block in model.model.layers:
+            block.compile()
+    return NodeTrainer(model, own, s.optim, s.total_steps, FROZEN_DTYPES[s.frozen_dtype], s.decayed_lb, s.autocast,
+                       s.micro_batch_size)

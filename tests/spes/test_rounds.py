@@ -20,7 +20,8 @@ from tests.conftest import tiny_config
 def make_params(tmp_path, name="s", **sync) -> Params:
     p = Params(model=tiny_config(vocab_size=512))
     s = p.spes
-    s.num_nodes, s.sync_steps, s.rounds, s.batch_size, s.seq_len = 2, 2, 4, 2, 16
+    s.num_nodes, s.sync_steps, s.rounds, s.warmup_rounds, s.batch_size, s.seq_len = 2, 2, 4, 2, 2, 16
+    p.dense.seq_len = p.eval.seq_len = 16  # a valid params file (nodes of several ranks re-validate it)
     s.merge.interval, s.merge.decay_steps, s.merge.top_k = 4, 100, 2  # merging at round 2 (step 4)
     for k, v in sync.items():
         setattr(p.sync, k, v)

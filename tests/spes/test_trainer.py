@@ -68,3 +68,64 @@ def test_lr_schedule():
     c = OptimConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
     assert lr_at(0, c, 110) == pytest.approx(0.1) and lr_at(9, c, 110) == pytest.approx(1.0)
     assert lr_at(60, c, 110) == pytest.approx(0.55) and lr_at(110, c, 110) == pytest.approx(0.1)
+
+
+def _pair(seed=3, **kw):
+    """Two identical models and trainers (own experts 1 and 2), and a batch of 4 sequences."""
+    out = []
+    for _ in range(2):
+        torch.manual_seed(seed)
+        model = tiny_config().build()
+        out.append(NodeTrainer(model, [1, 2], OptimConfig(lr=1e-2, warmup_steps=1), 10, **kw))
+    g = torch.Generator().manual_seed(seed)
+    return out, torch.randint(0, 96, (4, 12), generator=g), torch.randint(0, 96, (4, 12), generator=g)
+
+
+def test_micro_batches_equal_one_full_batch():
+    """k micro-batches with accumulated gradients = one pass over the whole batch whose load-balance loss is
+    computed per micro-batch-sized group (the definition): loss, gradients and updated weights to fp32
+    rounding, auxiliary losses included."""
+    (acc, ref), x, y = _pair()
+    acc.micro_batch_size = 2
+    m = acc.train_step(x, y, 0)
+    # the reference: the same step done by hand in one pass, lb over 2 groups of 2 sequences
+    for g in ref.optimizer.param_groups:
+        g["lr"] = lr_at(0, ref.cfg, ref.total_steps)
+    ref.optimizer.zero_grad()
+    out = ref.model(x, y, None, lb_groups=2)
+    out.loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for _, p in ref.trainable_named_parameters()], ref.cfg.grad_clip)
+    ref.optimizer.step()
+    assert out.lb.item() != pytest.approx(ref.model(x, y).lb.item(), abs=1e-7)  # grouping matters: it is tested
+    assert m.ce.item() == pytest.approx(out.ce.item(), rel=1e-6)
+    for (n, p), (_, q) in zip(acc.trainable_named_parameters(), ref.trainable_named_parameters()):
+        # fp32 rounding of sums taken in another order: relative to the tensor's largest gradient
+        assert (p.grad - q.grad).abs().max() <= 1e-6 * q.grad.abs().max(), n
+        # Adam's first step is lr * g / (|g| + eps): where |g| is near eps, rounding in g moves the update by
+        # a fraction of lr, so weights agree to 1e-3 of a step
+        assert torch.allclose(p, q, rtol=0, atol=1e-3 * acc.cfg.lr), n
+
+
+def test_the_step_loss_is_the_mean_of_the_micro_batch_losses():
+    (tr, _), x, y = _pair(seed=4)
+    full = tr.model(x, y, None, lb_groups=2)
+    parts = [tr.model(x[i:i + 2], y[i:i + 2]) for i in (0, 2)]
+    for key in ("loss", "ce", "lb", "z"):
+        mean = (getattr(parts[0], key) + getattr(parts[1], key)) / 2
+        assert getattr(full, key).item() == pytest.approx(mean.item(), rel=1e-6), key
+
+
+def test_activation_checkpointing_gives_the_same_numbers():
+    (plain, ckpt), x, y = _pair(seed=5)
+    ckpt.model.activation_checkpointing = True
+    for step in range(2):
+        a, b = plain.train_step(x, y, step), ckpt.train_step(x, y, step)
+        assert torch.equal(a.ce, b.ce)
+    for (n, p), (_, q) in zip(plain.model.named_parameters(), ckpt.model.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_build_node_trainer_applies_micro_batches_and_checkpointing():
+    s = SpesConfig(num_nodes=2, micro_batch_size=2, activation_checkpointing="block")
+    tr = build_node_trainer(s, tiny_config().build(), 0)
+    assert tr.micro_batch_size == 2 and tr.model.activation_checkpointing

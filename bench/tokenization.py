@@ -9,7 +9,7 @@
 The corpora are real text: the Python standard library's source, cycled into jsonl files (each copy of a
 file tagged so that documents differ). The tokenizer is a byte-level BPE trained once on a sample.
 
-    python bench/tokenize.py [--small-mb 100] [--large-mb 1000] [--vocab 4096] [--json]
+    python bench/tokenization.py [--small-mb 100] [--large-mb 1000] [--vocab 4096] [--json]
 """
 import argparse
 import glob
@@ -20,7 +20,6 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)

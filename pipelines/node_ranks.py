@@ -1,0 +1,99 @@
+"""A node's round on one rank or on several (`orchestration.gpus_per_node`).
+
+One rank: `spes.node_round.node_round` in this process. Several: a torchrun job per round,
+
+    python -m torch.distributed.run --standalone --nproc-per-node G -m pipelines.node_ranks CMD.json OUT.json
+
+whose ranks train data parallel (DDP over the node's GPUs with NCCL, or CPU processes with gloo where
+`orchestration.device` is cpu); rank 0 alone reads and writes shared storage and writes the node's meta to
+OUT.json. Every round reloads the node's state from its folder, so a job per round costs only the start
+of G interpreters, small next to `sync_steps` steps at the scale several GPUs are for.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Callable, Optional
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class NodeRanksFailed(RuntimeError):
+    pass
+
+
+def check_ranks(p) -> None:
+    """gpus_per_node GPUs must be visible where the node computes on CUDA; a one-line error before compute."""
+    import torch
+
+    from spes.devices import DeviceError, resolve_device
+
+    g = p.orchestration.gpus_per_node
+    if resolve_device(p.orchestration.device).type == "cuda" and g > torch.cuda.device_count():
+        raise DeviceError(f"orchestration.gpus_per_node is {g}, but this machine has {torch.cuda.device_count()} "
+                          "visible CUDA device(s)")
+
+
+def run_node(p, store, run: str, r: int, node: int, tokens_dir: str, threads: int,
+             on_step: Optional[Callable[[int], None]] = None, checkpoint: bool = False) -> dict:
+    """The node's round; its meta (what node_round returns)."""
+    from spes.data import TokenData
+    from spes.node_round import node_round
+
+    if p.orchestration.gpus_per_node == 1:
+        return node_round(p, store, run, r, node, TokenData.open(tokens_dir), on_step=on_step, checkpoint=checkpoint)
+    check_ranks(p)
+    from spes.params import to_dict
+
+    g = p.orchestration.gpus_per_node
+    with tempfile.TemporaryDirectory(prefix=f"spes-node{node}-r{r}-") as tmp:
+        cmd, out = os.path.join(tmp, "cmd.json"), os.path.join(tmp, "out.json")
+        with open(cmd, "w") as f:
+            json.dump({"params": to_dict(p), "run": run, "round": r, "node": node, "tokens": tokens_dir,
+                       "checkpoint": checkpoint, "threads": max(1, threads // g)}, f)
+        env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        rc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={g}",
+                             "-m", "pipelines.node_ranks", cmd, out], env=env).returncode
+        if rc != 0 or not os.path.exists(out):
+            raise NodeRanksFailed(f"node {node} round {r}: its torchrun job of {g} ranks failed (exit {rc}); "
+                                  "the ranks' output is above")
+        with open(out) as f:
+            return json.load(f)
+
+
+def rank_main(cmd_path: str, out_path: str) -> None:
+    """One rank of a node's torchrun job."""
+    import torch
+    import torch.distributed as dist
+
+    from spes.data import TokenData
+    from spes.devices import resolve_device
+    from spes.node_round import node_round
+    from spes.params import params_from_dict
+    from spes.store import Store
+
+    with open(cmd_path) as f:
+        cmd = json.load(f)
+    p = params_from_dict(cmd["params"])
+    node, local_rank = int(cmd["node"]), int(os.environ["LOCAL_RANK"])
+    device = resolve_device(p.orchestration.device, node * p.orchestration.gpus_per_node + local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.set_num_threads(int(cmd["threads"]))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        meta = node_round(p, Store.from_config(p.storage), cmd["run"], int(cmd["round"]), node,
+                          TokenData.open(cmd["tokens"]), checkpoint=bool(cmd["checkpoint"]))
+        if dist.get_rank() == 0:
+            with open(out_path + ".part", "w") as f:
+                json.dump(meta, f)
+            os.replace(out_path + ".part", out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    rank_main(sys.argv[1], sys.argv[2])

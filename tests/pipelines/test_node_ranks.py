@@ -1,0 +1,86 @@
+"""A node of several ranks (a torchrun job, gloo on the CPU): the same step as one rank with the whole batch,
+and a resumed multi-rank node equals an uninterrupted one."""
+import pytest
+import torch
+
+from pipelines.node_ranks import run_node
+from spes.aggregator import aggregate_round
+from spes.config import ConfigError
+from spes.params import params_from_dict, to_dict
+from spes.runs import MODEL_FILE
+from spes.sync import EXPERTS_FILE, SHARED_FILE
+from tests.spes.test_rounds import make_params, start
+
+
+def params(tmp_path, name, ranks, batch=4, micro=1):
+    p = make_params(tmp_path, name)
+    p.spes.batch_size, p.spes.micro_batch_size, p.orchestration.gpus_per_node = batch, micro, ranks
+    p.orchestration.min_nodes = 1  # node 0 alone makes each round: the other node's ranks are not needed
+    return params_from_dict(to_dict(p))  # validated like a params file
+
+
+def node0(p, run, r, tokens, checkpoint=False):
+    meta = run_node(p, run.store, "r", r, 0, tokens, threads=2, checkpoint=checkpoint)
+    aggregate_round(p, run.store, "r", r, min_nodes=1)
+    return meta
+
+
+def upload(run, r):
+    return run.store.read_bundle(run.layout.node_dir(r, 0)).files
+
+
+def global_sha(run, r):
+    return run.store.read_manifest(run.layout.global_dir(r))["files"][MODEL_FILE]["sha256"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, tiny_tokens):
+    tmp = tmp_path_factory.mktemp("ranks")
+    p = params(tmp, "two", ranks=2)
+    run = start(p)
+    metas = [node0(p, run, r, tiny_tokens) for r in (1, 2)]
+    return p, run, metas
+
+
+def test_two_ranks_equal_one_rank_with_the_whole_batch(two_ranks, tmp_path, tiny_tokens):
+    p2, run2, metas2 = two_ranks
+    p1 = params(tmp_path, "one", ranks=1)
+    run1 = start(p1)
+    meta1 = node0(p1, run1, 1, tiny_tokens)
+    assert metas2[0]["ranks"] == 2 and meta1["ranks"] == 1 and metas2[0]["tokens"] == meta1["tokens"]
+    assert metas2[0]["losses"] == pytest.approx(meta1["losses"], rel=1e-5)
+    a, b = upload(run2, 1), upload(run1, 1)
+    for f in (SHARED_FILE, EXPERTS_FILE):
+        for name, t in b[f].items():  # fp32 deltas: the updates agree to rounding (and Adam's eps)
+            assert (a[f][name] - t).abs().max() <= 1e-3 * p1.spes.optim.lr, name
+    assert metas2[0]["expert_load"] == meta1["expert_load"]
+
+
+def test_a_resumed_two_rank_node_equals_an_uninterrupted_one(two_ranks, tmp_path, tiny_tokens):
+    p, run, _ = two_ranks
+    q = params(tmp_path, "resumed", ranks=2)
+    resumed = start(q)
+    node0(q, resumed, 1, tiny_tokens, checkpoint=True)
+    import shutil
+
+    shutil.rmtree(tmp_path / "resumed-nodes")  # a new machine: the state comes from the checkpoint
+    node0(q, resumed, 2, tiny_tokens)
+    assert global_sha(resumed, 2) == global_sha(run, 2)
+
+
+def test_bad_rank_settings_fail_before_compute(tmp_path):
+    p = make_params(tmp_path)
+    d = to_dict(p)
+    d["orchestration"]["gpus_per_node"], d["spes"]["batch_size"] = 3, 4
+    with pytest.raises(ConfigError, match=r"spes.batch_size \(4\) must be a multiple of orchestration.gpus_per_node \(3\)"):
+        params_from_dict(d)
+    d["orchestration"]["gpus_per_node"], d["spes"]["micro_batch_size"] = 2, 3
+    with pytest.raises(ConfigError, match=r"spes.micro_batch_size \(3\) must divide the per-rank batch"):
+        params_from_dict(d)
+    if not torch.cuda.is_available():
+        from pipelines.node_ranks import check_ranks
+        from spes.devices import DeviceError
+
+        d["spes"]["micro_batch_size"], d["orchestration"]["device"] = 1, "cuda"
+        with pytest.raises(DeviceError, match="sees no CUDA device"):
+            check_ranks(params_from_dict(d))
