@@ -102,7 +102,7 @@ class TokenizeConfig:
     """Documents (the first ones) the BPE is trained on: a bounded sample, not the whole corpus."""
     shard_tokens: int = 1 << 28
     """Tokens per shard file (2^28 = 512 MiB of uint16)."""
-    val_fraction: float = 0.12
+    val_fraction: float = 0.13
     """Share of documents held out, by a keyed hash of each document (stable under streaming and re-runs);
     on the embedded default enough (>= 40 documents, >= 200k tokens) to tell variants 0.5% apart."""
     seed: int = 0

@@ -221,3 +221,42 @@ def params_from_dict(d: dict) -> Params:
 
 def to_dict(obj: Any) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(obj), resolve=True)  # type: ignore[return-value]
+
+
+def _leaves(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict) and d:
+        out = {}
+        for k, v in d.items():
+            out.update(_leaves(v, f"{prefix}{k}."))
+        return out
+    return {prefix.rstrip("."): d}
+
+
+def overrides_between(base: Params, other: Params) -> list[str]:
+    """`key=value` for every setting in which `other` differs from `base` (what `dvc exp run -S` takes)."""
+    a, b = _leaves(to_dict(base)), _leaves(to_dict(other))
+    return [f"{k}={yaml.safe_dump(b[k], default_flow_style=True).strip().removesuffix('...').strip()}"
+            for k in sorted(b) if a.get(k) != b[k]]
+
+
+def main() -> None:
+    import argparse
+    import shlex
+
+    ap = argparse.ArgumentParser(description="Validate a params file; with --set-params print the `dvc exp run` "
+                                 "flags that turn params.yaml into it: dvc exp run $(python -m spes.params "
+                                 "--set-params configs/spes-1b.yaml)")
+    ap.add_argument("path")
+    ap.add_argument("--set-params", action="store_true")
+    ap.add_argument("--base", default="params.yaml")
+    a = ap.parse_args()
+    try:
+        p = load_params(a.path)
+        flags = overrides_between(load_params(a.base), p) if a.set_params else None
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}")
+    print(" ".join(f"-S {shlex.quote(o)}" for o in flags) if flags is not None else f"{a.path}: valid")
+
+
+if __name__ == "__main__":
+    main()
