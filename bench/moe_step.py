@@ -89,8 +89,8 @@ def main():
     opt_hf = torch.optim.AdamW(hf.parameters(), lr=1e-3)
     full = NodeTrainer(ours, range(cfg.num_experts), OptimConfig(lr=1e-3), 100)
 
-    def hf_step():
-        out = hf(x, labels=x)
+    def hf_step(model=hf):
+        out = model(x, labels=x)
         opt_hf.zero_grad(set_to_none=True)
         out.loss.backward()
         opt_hf.step()
@@ -110,15 +110,8 @@ def main():
         for block in ours.model.layers:
             block.compile()
         hf_c = torch.compile(hf)
-
-        def hf_step_c():
-            out = hf_c(x, labels=x)
-            opt_hf.zero_grad(set_to_none=True)
-            out.loss.backward()
-            opt_hf.step()
-
         t_ours_c = timed(lambda: full.train_step(x, x, 50), a.steps)
-        t_hf_c = timed(hf_step_c, a.steps)
+        t_hf_c = timed(lambda: hf_step(hf_c), a.steps)
         print(f"compiled: ours {tokens / t_ours_c:9.0f} tok/s (eager/compiled {t_ours / t_ours_c:.2f}x), HF "
               f"{tokens / t_hf_c:9.0f} tok/s; ratio ours/HF compiled = {t_hf_c / t_ours_c:.2f}x; MFU compiled "
               f"{flops / t_ours_c / peak_flops:.2f}")
