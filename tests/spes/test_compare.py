@@ -115,3 +115,9 @@ def test_paired_difference_to_the_baseline():
     assert "| +0.1000 (0.0289) |" in report_markdown(p, summarize(p, results))
     no_windows = [dict(r, heldout_windows=None) for r in results]
     assert summarize(p, no_windows)["rows"][0]["diff_to_baseline"] is None
+
+
+@pytest.mark.parametrize("name", ["compare-lr.yaml", "compare-budget.yaml"])
+def test_the_extra_comparisons_validate(name):
+    p = load_params(os.path.join(os.path.dirname(PARAMS_YAML), "configs", name))
+    assert set(check_matrix(p)) == {"spes", "centralized"}
