@@ -26,9 +26,10 @@ from spes.config import Params
 from spes.merging import merge_alpha, merge_due, merge_layer
 from spes.ownership import ownership_for
 from spes.runs.layout import MODEL_FILE, OUTER_FILE, RESIDUAL_FILE, RunLayout
-from spes.store import BundleWriter, IntegrityError, NotCommitted, Store, StoreError
+from spes.store import IntegrityError, NotCommitted, Store, StoreError
 from spes.sync import EXPERTS_FILE, SHARED_FILE, add_decoded, add_decoded_rows, encode_with_feedback, \
     encoded_specs, experts_file, is_averaged, read_parts
+from spes.tensorio import BundleWriter
 
 log = logging.getLogger("spes.aggregator")
 

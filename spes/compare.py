@@ -109,6 +109,23 @@ def _mean_std(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
+def paired_difference(runs: list[dict], base_runs: list[dict]) -> tuple[Optional[float], Optional[float]]:
+    """Mean over seeds of (loss - baseline loss) on the same held-out windows, and its standard error from
+    the per-window differences (pairing removes what the windows share: far tighter than either SE)."""
+    base = {r["seed"]: r for r in base_runs}
+    diffs, ses = [], []
+    for r in runs:
+        b = base.get(r["seed"])
+        if b is None or not r.get("heldout_windows") or len(r["heldout_windows"]) != len(b.get("heldout_windows") or []):
+            continue
+        d = [x - y for x, y in zip(r["heldout_windows"], b["heldout_windows"])]
+        diffs.append(statistics.fmean(d))
+        ses.append(statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else 0.0)
+    if not diffs:
+        return None, None
+    return statistics.fmean(diffs), math.sqrt(sum(x * x for x in ses)) / len(ses)
+
+
 def summarize(p: Params, results: list[dict]) -> dict:
     """Per (variant, budget): the best learning rate's mean and spread over seeds, and everything the table
     shows; plus the sweep and the merging effect. `results` are the runs' result.json dicts."""
@@ -131,11 +148,14 @@ def summarize(p: Params, results: list[dict]) -> dict:
         for variant, lr in best.items():
             runs = sorted(by[(variant, budget, lr)], key=lambda r: r["seed"])
             mean, std = sweep[(variant, budget, lr)]
+            base_runs = by.get((p.compare.baseline, budget, best.get(p.compare.baseline)), [])
+            diff, diff_se = paired_difference(runs, base_runs)
             rows.append({
                 "variant": variant, "budget": budget, "lr": lr, "seeds": len(runs),
                 "heldout_loss_mean": mean, "heldout_loss_std": std,
                 "heldout_loss_se": statistics.fmean(r["heldout_se"] for r in runs),
                 "ratio_to_centralized": mean / base_loss if base_loss else float("nan"),
+                "diff_to_baseline": diff, "diff_to_baseline_se": diff_se,
                 "tokens": runs[0]["tokens"], "trainable_params_per_node": runs[0]["trainable_params_per_node"],
                 "memory_bytes_per_node": runs[0]["memory_bytes_per_node"],
                 "peak_bytes_per_node": runs[0].get("peak_bytes_per_node"),
@@ -162,15 +182,20 @@ def report_markdown(p: Params, summary: dict) -> str:
     out = [f"# SPES vs baselines at equal tokens\n",
            f"Seeds {list(c.seeds)}, learning rates {list(c.lrs)} (best of each variant shown), budgets "
            f"{list(c.budgets)} x spes.rounds; held-out loss on the whole held-out split (mean +- std over seeds; "
-           f"SE = standard error of one run's mean loss over its windows); baseline: {c.baseline}.\n"]
+           f"SE = standard error of one run's mean loss over its windows; the difference to {c.baseline} is paired "
+           f"by seed and window, with its standard error); baseline: {c.baseline}.\n"]
     for budget in c.budgets:
         out += [f"\n## Budget {budget}x\n",
-                "| variant | seeds | lr | held-out loss | SE | ratio to centralized | tokens | trainable params / node "
-                "| weights+grads+Adam MiB / node | MiB on the wire / node / round | wall s |",
-                "|---|---|---|---|---|---|---|---|---|---|---|"]
+                f"| variant | seeds | lr | held-out loss | SE | ratio to {c.baseline} | minus {c.baseline} (paired SE) "
+                "| tokens | trainable params / node | weights+grads+Adam MiB / node | MiB on the wire / node / round "
+                "| wall s |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in (r for r in summary["rows"] if r["budget"] == budget):
+            paired = "-" if r["diff_to_baseline"] is None else \
+                f"{r['diff_to_baseline']:+.4f} ({r['diff_to_baseline_se']:.4f})"
             out.append(f"| {r['variant']} | {r['seeds']} | {r['lr']:g} | {r['heldout_loss_mean']:.4f} +- "
                        f"{r['heldout_loss_std']:.4f} | {r['heldout_loss_se']:.4f} | {r['ratio_to_centralized']:.4f} | "
+                       f"{paired} | "
                        f"{r['tokens']} | {r['trainable_params_per_node']} | {_fmt_bytes(r['memory_bytes_per_node'])} | "
                        f"{_fmt_bytes(r['bytes_per_node_per_round'])} | {r['wall_s']:.0f} |")
     if summary["merge"]:
@@ -187,5 +212,5 @@ def report_markdown(p: Params, summary: dict) -> str:
 
 
 CSV_COLUMNS = ["variant", "budget", "seeds", "lr", "heldout_loss_mean", "heldout_loss_std", "heldout_loss_se",
-               "ratio_to_centralized", "tokens", "trainable_params_per_node", "memory_bytes_per_node",
+               "ratio_to_centralized", "diff_to_baseline", "diff_to_baseline_se", "tokens", "trainable_params_per_node", "memory_bytes_per_node",
                "peak_bytes_per_node", "bytes_per_node_per_round", "wall_s"]

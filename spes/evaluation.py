@@ -15,7 +15,8 @@ from spes.model import CausalLM
 def heldout_loss(model: CausalLM, tokens: np.ndarray, batch_size: int, seq_len: int,
                  num_batches: Optional[int] = None) -> dict:
     """Mean next-token loss over fixed windows of the held-out split (all of it when num_batches is None),
-    with the standard error of that mean estimated from the spread of the per-window means."""
+    with the standard error of that mean estimated from the spread of the per-window means, and those
+    per-window means (two models on the same windows compare paired: spes/compare.py)."""
     model.eval()
     device = next(model.parameters()).device
     per_window = []
@@ -27,7 +28,7 @@ def heldout_loss(model: CausalLM, tokens: np.ndarray, batch_size: int, seq_len: 
     loss = w.mean().item()
     se = (w.std(unbiased=True) / math.sqrt(len(w))).item() if len(w) > 1 else float("nan")
     return {"loss": loss, "se": se, "perplexity": math.exp(min(loss, 50.0)), "tokens": len(w) * seq_len,
-            "windows": len(w)}
+            "windows": len(w), "per_window": w.tolist()}
 
 
 @torch.no_grad()

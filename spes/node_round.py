@@ -25,7 +25,8 @@ from spes.distributed import broadcast_object, broadcast_tensors, rank_and_size
 from spes.node_state import NodeState, NodeStateDir
 from spes.runs.layout import RunLayout
 from spes.runs.run import Run
-from spes.store import BundleWriter, Store, StoreError
+from spes.store import Store, StoreError
+from spes.tensorio import BundleWriter
 from spes.sync import EXPERTS_FILE, encode_upload, experts_file, fetch_global
 from spes.trainer import build_node_trainer
 

@@ -26,6 +26,10 @@ SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 """Names that become folder names on storage (run names, variant names): no '/', no leading '.'."""
 
 
+REPLACED = ("compare.variants",)
+"""Settings an including file replaces whole instead of merging into (see _load_with_includes)."""
+
+
 def check_name(value: str, key: str) -> str:
     if not isinstance(value, str) or not SAFE_NAME.match(value) or ".." in value:
         raise ConfigError(f"{key}: {value!r} is not a safe name (letters, digits, '.', '_', '-'; "
@@ -211,7 +215,15 @@ def _load_with_includes(path: str, seen: tuple[str, ...]) -> list:
         return [loaded]
     if not isinstance(include, str):
         raise ConfigError(f"{path}: include must be one file name, got {include!r}")
-    return _load_with_includes(os.path.join(os.path.dirname(path), include), seen + (real,)) + [loaded]
+    below = _load_with_includes(os.path.join(os.path.dirname(path), include), seen + (real,))
+    for key in REPLACED:  # a named set, not merged: the including file's variants are the variants
+        if OmegaConf.select(loaded, key) is not None:
+            for cfg in below:
+                parent, _, leaf = key.rpartition(".")
+                node = OmegaConf.select(cfg, parent)
+                if isinstance(node, DictConfig) and leaf in node:
+                    node.pop(leaf)
+    return below + [loaded]
 
 
 def params_from_dict(d: dict) -> Params:

@@ -4,20 +4,22 @@ The round files (global models, deltas, uploads) can be larger than what one wan
 over; these let the aggregator hold one tensor per input at a time. Files are plain safetensors (the
 `safetensors` package loads them), with tensors in the order given (sorted by name, by convention) and
 a header padded to 8 bytes. The same tensors always give the same bytes, so a node that rebuilds a
-global model locally can compare its file's sha256 with the committed one.
+global model locally can compare its file's sha256 with the committed one. `BundleWriter` writes a bundle
+of the store (spes/store.py) file by file with these.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import queue
 import struct
 import threading
-from typing import BinaryIO, Iterable, Optional
+from typing import Any, BinaryIO, Iterable, Iterator, Optional
 
 import torch
 
-from spes.store import IntegrityError
+from spes.store import IntegrityError, Store
 
 DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
           torch.int8: "I8", torch.uint8: "U8", torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL"}
@@ -178,3 +180,47 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
             return len(b)
 
     return write_tensors(_Null(), tensors)[0]  # type: ignore[arg-type]
+
+
+def _tensor_entry(specs, sha: str, n: int) -> dict:
+    return {"sha256": sha, "bytes": n,
+            "tensors": {name: {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
+                        for name, dtype, shape in specs}}
+
+
+class BundleWriter:
+    """Builds one bundle file by file (small files at once, big ones streamed tensor by tensor), then commits.
+
+        bw = BundleWriter(store, rel)
+        bw.add("small.safetensors", tensors)
+        with bw.stream("big.safetensors", specs) as w:   # spes.tensorio.TensorWriter
+            for name, ... : w.write(name, tensor)
+        bw.commit(meta)
+    """
+
+    def __init__(self, store: Store, rel: str):
+        self.store, self.rel, self.entries = store, rel, {}
+        store.start_bundle(rel)
+
+    def add(self, fname: str, tensors: dict[str, torch.Tensor]) -> dict:
+        def write():
+            with self.store.fs.open(self.store.path(self.rel, fname), "wb") as f:
+                return write_tensors(f, tensors)
+
+        sha, n = self.store._io(f"write {self.rel}/{fname}", write)
+        self.store.bytes_written += n
+        self.entries[fname] = _tensor_entry([spec_of(k, tensors[k]) for k in sorted(tensors)], sha, n)
+        return self.entries[fname]
+
+    @contextlib.contextmanager
+    def stream(self, fname: str, specs) -> Iterator[TensorWriter]:
+        specs = list(specs)
+        with self.store.fs.open(self.store.path(self.rel, fname), "wb") as f:
+            w = TensorWriter(f, specs)
+            yield w
+            sha, n = w.close()
+        self.store.bytes_written += n
+        self.entries[fname] = _tensor_entry(specs, sha, n)
+
+    def commit(self, meta: dict[str, Any]) -> dict:
+        return self.store.commit_bundle(self.rel, self.entries, meta)

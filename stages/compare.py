@@ -2,11 +2,12 @@
 
     python -m stages.compare run --variant V --seed S --lr LR --budget B --out DIR
         one cell of the matrix as its own run (cmp-<V>-<S>-<LR>-<B>) from the main pipeline's tokens and
-        initial model; DIR/result.json: held-out loss (whole split, with its standard error), tokens, per-node
-        trainable params and memory, bytes on the wire per node per round, wall time, the held-out curve
-    python -m stages.compare report
-        artifacts/compare/report.md, report.csv, heldout_curves.csv (dvc plots), and the table as a Prefect
-        markdown artifact
+        initial model; DIR/result.json: held-out loss (whole split, with its standard error and the loss of
+        every window), tokens, per-node trainable params and memory, bytes on the wire per node per round,
+        wall time, the held-out curve
+    python -m stages.compare report [--dir DIR]
+        DIR/report.md, report.csv, heldout_curves.csv (dvc plots) from DIR/runs/<cell>/result.json (DIR:
+        artifacts/compare), and the table as a Prefect markdown artifact
 """
 from __future__ import annotations
 
@@ -17,9 +18,6 @@ import os
 import sys
 
 from stages.common import prefect_env_defaults, run, write_json
-
-COMPARE_DIR = "compare"
-
 
 def _load(params_path: str):
     from spes.compare import check_matrix
@@ -74,6 +72,7 @@ def run_cell(a) -> None:
     mem = node_memory(model.cfg, vp.spes, 0)
     result = {"variant": cell.variant, "seed": cell.seed, "lr": cell.lr, "budget": cell.budget, "run": cell.run_name,
               "rounds": last, "heldout_loss": ev["loss"], "heldout_se": ev["se"], "eval_tokens": ev["tokens"],
+              "heldout_windows": ev["per_window"],
               "tokens": tokens, "trainable_params_per_node": mem["trainable_params"],
               "memory_bytes_per_node": mem["total_bytes"],
               "peak_bytes_per_node": max((n.get("peak_bytes") or 0 for n in rows), default=0) or None,
@@ -88,7 +87,8 @@ def report(a) -> None:
     from spes.compare import CSV_COLUMNS, cells, report_markdown, summarize
 
     p = _load(a.params)
-    runs_dir = os.path.join(p.artifacts_dir, COMPARE_DIR, "runs")
+    out = a.dir or os.path.join(p.artifacts_dir, "compare")
+    runs_dir = os.path.join(out, "runs")
     results, missing = [], []
     for cell in cells(p):
         f = os.path.join(runs_dir, cell.key, "result.json")
@@ -100,7 +100,6 @@ def report(a) -> None:
     if missing:
         raise SystemExit(f"compare report: no result for {missing} (run `dvc repro compare/dvc.yaml`)")
     summary = summarize(p, results)
-    out = os.path.join(p.artifacts_dir, COMPARE_DIR)
     md = report_markdown(p, summary)
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(md)
@@ -141,6 +140,7 @@ def main() -> None:
     for k in ("variant", "seed", "lr", "budget", "out"):
         r.add_argument(f"--{k}", required=True)
     rep = sub.add_parser("report")
+    rep.add_argument("--dir", default=None, help="where the cells' results are (runs/) and the report goes")
     for s in (r, rep):
         s.add_argument("--params", default="params.yaml")
     a = ap.parse_args()

@@ -78,7 +78,7 @@ class WriterLease:
 
     def _top(self) -> tuple[int, Optional[dict]]:
         """(highest generation, its content) or (-1, None); a file removed meanwhile means: look again."""
-        for _ in range(5):
+        for attempt in range(5):
             gens = [int(n[:-5]) for n in self.store.list_names(self.layout.lease_dir)
                     if n.endswith(".json") and n[:-5].isdigit()]
             if not gens:
@@ -88,7 +88,10 @@ class WriterLease:
                 return top, json.loads(self.store.read_bytes(self.layout.lease_file(top)))
             except FileNotFoundError:
                 continue
-            except ValueError:  # lease files are written whole (Store.write_bytes): this one was damaged
+            except ValueError:  # lease files are written whole, except where the filesystem has no hard links
+                if attempt < 4:  # (Store.create_exclusive): a new one may show empty for a moment
+                    time.sleep(0.05)
+                    continue
                 raise RunLocked(f"{self.store.url}/{self.layout.lease_file(top)} is not a readable lease; if no "
                                 "writer is active, delete it and run again") from None
         raise RunLocked(f"run {self.layout.run!r}: the lease folder keeps changing; another writer is active")

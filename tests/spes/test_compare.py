@@ -98,3 +98,26 @@ def test_summary_exact_numbers():
     md = report_markdown(p, s)
     assert "| spes | 2 | 0.001 | 3.1000 +- 0.1414 | 0.0100 | 1.1923 |" in md
     assert "| spes | 1x | 0.002 | 3.6000 | 0.1414 |" in md
+
+
+def test_paired_difference_to_the_baseline():
+    p = load_params(PARAMS_YAML)
+    p.compare.variants = {"spes": [], "centralized": ["spes.method=centralized"]}
+    results = [_result("spes", 0, 0.002, 3.0, heldout_windows=[3.0, 2.0, 4.0]),
+               _result("spes", 1, 0.002, 3.1, heldout_windows=[3.2, 2.1, 4.0]),
+               _result("centralized", 0, 0.002, 2.9, heldout_windows=[2.9, 1.9, 3.9]),
+               _result("centralized", 1, 0.002, 3.0, heldout_windows=[3.0, 2.0, 4.0])]
+    rows = {r["variant"]: r for r in summarize(p, results)["rows"]}
+    # seed 0: differences 0.1, 0.1, 0.1 (mean 0.1, SE 0); seed 1: 0.2, 0.1, 0.0 (mean 0.1, SE 0.1/sqrt(3))
+    assert rows["spes"]["diff_to_baseline"] == pytest.approx(0.1)
+    assert rows["spes"]["diff_to_baseline_se"] == pytest.approx((0.1 / 3**0.5) / 2)
+    assert rows["centralized"]["diff_to_baseline"] == 0.0
+    assert "| +0.1000 (0.0289) |" in report_markdown(p, summarize(p, results))
+    no_windows = [dict(r, heldout_windows=None) for r in results]
+    assert summarize(p, no_windows)["rows"][0]["diff_to_baseline"] is None
+
+
+@pytest.mark.parametrize("name", ["compare-lr.yaml", "compare-budget.yaml"])
+def test_the_extra_comparisons_validate(name):
+    p = load_params(os.path.join(os.path.dirname(PARAMS_YAML), "configs", name))
+    assert set(check_matrix(p)) == {"spes", "centralized"}

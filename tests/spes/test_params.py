@@ -1,12 +1,14 @@
 """Validation: every bad setting is a one-line ConfigError naming its key, before any compute."""
+import glob
 import os
 
 import pytest
 
 from spes.config import ConfigError, Params
-from spes.params import check_name, load_params, params_from_dict, to_dict, validate
+from spes.params import check_name, load_params, overrides_between, params_from_dict, to_dict, validate
 
-PARAMS_YAML = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "params.yaml")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PARAMS_YAML = os.path.join(ROOT, "params.yaml")
 
 
 def test_the_embedded_default_validates_and_round_trips():
@@ -75,3 +77,28 @@ def test_safe_names(name):
 def test_unsafe_names(name):
     with pytest.raises(ConfigError, match="not a safe name"):
         check_name(name, "k")
+
+
+PRESETS = sorted(glob.glob(os.path.join(ROOT, "configs", "spes-*.yaml")))
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=os.path.basename)
+def test_presets_validate_and_become_dvc_overrides(preset):
+    p = load_params(preset)
+    base = load_params(os.path.join(ROOT, "params.yaml"))
+    flags = overrides_between(base, p)
+    assert flags and to_dict(load_params(os.path.join(ROOT, "params.yaml"), flags)) == to_dict(p)
+
+
+def test_includes(tmp_path):
+    (tmp_path / "base.yaml").write_text("spes: {num_nodes: 4}\nmodel: {num_experts: 8}\n")
+    (tmp_path / "top.yaml").write_text("include: base.yaml\nspes: {batch_size: 4}\n")
+    p = load_params(str(tmp_path / "top.yaml"))
+    assert (p.spes.num_nodes, p.spes.batch_size) == (4, 4)
+    (tmp_path / "a.yaml").write_text("include: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("include: a.yaml\n")
+    with pytest.raises(ConfigError, match="include cycle"):
+        load_params(str(tmp_path / "a.yaml"))
+    (tmp_path / "c.yaml").write_text("include: missing.yaml\n")
+    with pytest.raises(ConfigError, match=r"params file not found: .*missing.yaml \(included by"):
+        load_params(str(tmp_path / "c.yaml"))

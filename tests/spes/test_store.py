@@ -1,6 +1,7 @@
 """The bundle format: commit marker, verification of every byte, safe paths, bounded retried calls."""
 import json
 import logging
+import os
 
 import pytest
 import torch
@@ -89,3 +90,18 @@ def test_transient_errors_are_retried_and_logged_then_fail_clearly(tmp_path, cap
     monkeypatch.setattr(s.fs, "cat_file", lambda *a, **k: (_ for _ in ()).throw(FileNotFoundError("f")))
     with pytest.raises(FileNotFoundError):  # a definite answer is not retried
         s.read_bytes("f")
+
+
+def test_exclusive_create_without_hard_links(tmp_path, monkeypatch):
+    """Filesystems without hard links fall back to O_EXCL: still exclusive, same content."""
+    import errno
+
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, "hard links not supported")
+
+    monkeypatch.setattr(os, "link", no_links)
+    s = Store(str(tmp_path / "s"))
+    s.create_exclusive("d/a.json", b"1")
+    with pytest.raises(FileExistsError):
+        s.create_exclusive("d/a.json", b"2")
+    assert s.read_bytes("d/a.json") == b"1" and s.list_names("d") == ["a.json"]
