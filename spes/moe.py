@@ -60,6 +60,20 @@ def experts_impl(requested: str, x: torch.Tensor, w: torch.Tensor) -> str:
     return "triton" if x.is_cuda and _triton_available() else "loop"
 
 
+def _grouped_mm(x_SD: torch.Tensor, w_EOD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
+    return _ContiguousGrad.apply(F.grouped_mm(x_SD, w_EOD.transpose(-2, -1), offs=offs_E))
+
+
+@functools.cache
+def _grouped_mm_eager():
+    """torch.compile traces grouped_mm with a meta kernel that accepts bf16 only, while the CPU kernel also
+    runs fp32: a compiled block runs the fp32 call eagerly (a graph break) instead of failing. Built on first
+    use: torch.compiler.disable imports dynamo and with it triton, which must not happen at our import (a
+    triton imported before TRITON_INTERPRET is set cannot interpret kernels)."""
+    return torch.compiler.disable(_grouped_mm)
+
+
 def grouped_linear(x_SD: torch.Tensor, w_EOD: torch.Tensor, counts_E: torch.Tensor,
                    counts_list: Optional[list[int]] = None, impl: str = "auto") -> torch.Tensor:
     """Rows of x sorted by expert; rows [off_e, off_e + counts_e) go through expert e: y = x @ w_e^T."""
@@ -68,8 +82,7 @@ def grouped_linear(x_SD: torch.Tensor, w_EOD: torch.Tensor, counts_E: torch.Tens
     w_EOD = w_EOD.to(x_SD.dtype)
     impl = experts_impl(impl, x_SD, w_EOD)
     if impl == "grouped_mm":
-        offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
-        return _ContiguousGrad.apply(F.grouped_mm(x_SD, w_EOD.transpose(-2, -1), offs=offs_E))
+        return (_grouped_mm if x_SD.dtype == torch.bfloat16 else _grouped_mm_eager())(x_SD, w_EOD, counts_E)
     if impl == "triton":
         from spes.kernels.triton_grouped import triton_grouped_linear
 

@@ -20,7 +20,8 @@ def test_olmo_tokenizer_through_tokenize_dense_upcycle(tmp_path):
     params = {
         "artifacts_dir": str(tmp_path / "artifacts"),
         "model": {"vocab_size": 50304, "hidden_size": 32, "intermediate_size": 32, "num_layers": 1, "num_heads": 4,
-                  "num_kv_heads": 4, "num_experts": 4, "top_k": 2, "max_seq_len": 64, "norm_topk_prob": True},
+                  "num_kv_heads": 4, "num_experts": 8, "top_k": 2, "max_seq_len": 128, "norm_topk_prob": True,
+                  "qk_norm": "head"},
         "tokenize": {"corpus": ",".join(json_sources()), "tokenizer": OLMO, "val_fraction": 0.2},
         "dense": {"steps": 10, "batch_size": 2, "seq_len": 32},
         "eval": {"batches": 2, "batch_size": 2, "seq_len": 32},

@@ -1,4 +1,8 @@
 """MoE compute: chunked experts and every expert implementation compute the same function."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -46,3 +50,12 @@ def test_experts_impl_comes_from_the_config():
         with torch.no_grad():
             outs[impl] = m(ids).logits
     torch.testing.assert_close(outs["grouped_mm"], outs["loop"], rtol=1e-5, atol=1e-5)
+
+
+def test_importing_the_model_loads_neither_dynamo_nor_triton():
+    # A triton imported before TRITON_INTERPRET is set cannot interpret kernels (the kernel tests need it),
+    # and a stage that never compiles should not pay for importing dynamo.
+    code = "import sys, spes.model, spes.trainer; print('triton' in sys.modules, 'torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.stdout.split() == ["False", "False"]
