@@ -35,7 +35,8 @@ def main() -> None:
                             on_mismatch="restart" if stage == "warmup" else "error")
     # the stage's rounds as committed on storage, whether run now or by an earlier (resumed) invocation
     first, last = (1, p.spes.warmup_rounds) if stage == "warmup" else (p.spes.warmup_rounds + 1, p.spes.rounds)
-    rounds = Run(Store.from_config(p.storage), out["run"]).records(first, last)
+    run = Run(Store.from_config(p.storage), out["run"])
+    rounds = run.records(first, last)
     summary = {"run": out["run"], "latest_committed": out["latest_committed"], "rounds": rounds,
                "rounds_run_now": [r["round"] for r in out["rounds"]]}
     walls = [r["wall_s"] for r in rounds]
@@ -45,8 +46,8 @@ def main() -> None:
     def mean(key):
         return sum(n.get(key, 0) for n in node_rows) / len(node_rows) if node_rows else 0.0
 
-    run = Run(Store.from_config(p.storage), out["run"])
-    metrics = {"last_round": out["latest_committed"], "rounds_recorded": len(rounds),
+    # a rerun after later rounds exist still describes this stage's rounds (storage_bytes: the run now)
+    metrics = {"last_round": min(out["latest_committed"], last), "rounds_recorded": len(rounds),
                "round_wall_s_mean": sum(walls) / len(walls) if walls else 0.0,
                "orchestration_overhead": (1 - sum(computes) / sum(walls)) if walls else 0.0,
                "bytes_up_per_node_round": mean("bytes_up"), "bytes_down_per_node_round": mean("bytes_down"),

@@ -64,6 +64,12 @@ def test_dvc_repro_end_to_end(tmp_path):
     assert forced.returncode == 0, forced.stdout[-3000:] + forced.stderr[-3000:]
     after = json.load(open(proj / "artifacts/train/summary.json"))
     assert before["rounds_run_now"] == [2] and after["rounds_run_now"] == [] and after["rounds"] == before["rounds"]
+    # warmup forced after train committed later rounds still describes its own rounds
+    warm = subprocess.run(dvc + ["repro", "-f", "-s", "warmup"], cwd=proj, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert warm.returncode == 0, warm.stdout[-3000:] + warm.stderr[-3000:]
+    warm_metrics = json.load(open(proj / "artifacts/warmup/metrics.json"))
+    assert warm_metrics["last_round"] == 1 and warm_metrics["rounds_recorded"] == 1
     assert not (proj / "artifacts/compare").exists()  # the main pipeline does not run the comparison
 
     cmp = subprocess.run(dvc + ["repro", "compare/dvc.yaml"], cwd=proj, env=env, capture_output=True, text=True,
