@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import yaml
 
 from spes.data import TokenData
@@ -16,6 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 OLMO = os.path.join(SHARED, "tokenizers", "gpt-neox-olmo-dolma-v1_5.json")
 
 
+@pytest.mark.skipif(not os.path.exists(OLMO), reason="shared tokenizer not present")
 def test_olmo_tokenizer_through_tokenize_dense_upcycle(tmp_path):
     params = {
         "artifacts_dir": str(tmp_path / "artifacts"),

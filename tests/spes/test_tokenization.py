@@ -1,6 +1,7 @@
 """Documents -> tokenizer -> token shards: streamed, split by document hash, sharded; a failed run leaves
 the old folder as it was; pretrained tokenizers (OLMo's) work end to end."""
 import os
+import re
 
 import numpy as np
 import pytest
@@ -51,6 +52,7 @@ def test_vocab_and_split_errors(tmp_path):
     assert not (tmp_path / "v" / "meta.json").exists()  # never looks complete (the stage drops the folder)
 
 
+@pytest.mark.skipif(not os.path.exists(OLMO_TOKENIZER), reason="shared tokenizer not present")
 def test_the_olmo_tokenizer_end_to_end(tmp_path):
     docs = json_documents()
     stats = tokenize_corpus(iter(docs), str(tmp_path / "o"), 50304, OLMO_TOKENIZER, 0.2, 0)
@@ -80,8 +82,15 @@ def test_a_tokenizer_without_eos_is_refused(tmp_path):
 
 def test_an_unreachable_hub_tokenizer_fails_in_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # read at import: else it waits on the network
     with pytest.raises(CorpusError, match="cannot load tokenizer 'no-such-org/no-such-tokenizer'"):
         load_tokenizer("no-such-org/no-such-tokenizer")
+
+
+@pytest.mark.parametrize("name", ["/no/such/tokenizer.json", "./missing-folder", "missing.json"])
+def test_a_missing_local_tokenizer_is_named_not_taken_for_a_hub_id(name):
+    with pytest.raises(CorpusError, match=f"tokenizer file not found: {re.escape(name)}$"):
+        load_tokenizer(name)
 
 
 def test_replace_folder_swaps_only_complete_output(tmp_path):
