@@ -70,7 +70,8 @@ def load_tokenizer(name_or_file: str, eos_token: Optional[str] = None) -> Loaded
     from tokenizers import Tokenizer
 
     hf_eos = None
-    looks_local = name_or_file.endswith(".json") or name_or_file.startswith(("/", "./", "../", "~"))
+    name_or_file = os.path.expanduser(name_or_file)  # a hub id has no leading ~: unchanged
+    looks_local = name_or_file.endswith(".json") or name_or_file.startswith(("/", "./", "../"))
     if looks_local and not os.path.exists(name_or_file):  # else the hub client's "repo id" error hides it
         raise CorpusError(f"tokenizer file not found: {name_or_file}")
     if name_or_file.endswith(".json") and os.path.isfile(name_or_file):
