@@ -212,5 +212,6 @@ def report_markdown(p: Params, summary: dict) -> str:
 
 
 CSV_COLUMNS = ["variant", "budget", "seeds", "lr", "heldout_loss_mean", "heldout_loss_std", "heldout_loss_se",
-               "ratio_to_centralized", "diff_to_baseline", "diff_to_baseline_se", "tokens", "trainable_params_per_node", "memory_bytes_per_node",
-               "peak_bytes_per_node", "bytes_per_node_per_round", "wall_s"]
+               "ratio_to_centralized", "diff_to_baseline", "diff_to_baseline_se", "tokens",
+               "trainable_params_per_node", "memory_bytes_per_node", "peak_bytes_per_node",
+               "bytes_per_node_per_round", "wall_s"]

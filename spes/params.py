@@ -218,8 +218,8 @@ def _load_with_includes(path: str, seen: tuple[str, ...]) -> list:
     below = _load_with_includes(os.path.join(os.path.dirname(path), include), seen + (real,))
     for key in REPLACED:  # a named set, not merged: the including file's variants are the variants
         if OmegaConf.select(loaded, key) is not None:
+            parent, _, leaf = key.rpartition(".")
             for cfg in below:
-                parent, _, leaf = key.rpartition(".")
                 node = OmegaConf.select(cfg, parent)
                 if isinstance(node, DictConfig) and leaf in node:
                     node.pop(leaf)

@@ -19,6 +19,7 @@ import sys
 
 from stages.common import prefect_env_defaults, run, write_json
 
+
 def _load(params_path: str):
     from spes.compare import check_matrix
     from spes.params import load_params
