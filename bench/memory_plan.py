@@ -1,4 +1,4 @@
-"""The memory planner (spes/plan.py) against measured peaks, side by side in one run.
+"""The memory planner (spes/train/plan.py) against measured peaks, side by side in one run.
 
 Each case trains a SPES node (own experts trainable, the rest frozen) for a few steps in a fresh process
 and measures its peak: CUDA's max_memory_allocated on a GPU, else the process's resident-set high-water
@@ -17,8 +17,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from spes.config import ModelConfig, SpesConfig  # noqa: E402
-from spes.plan import plan_node  # noqa: E402
+from spes.config.schema import ModelConfig, SpesConfig  # noqa: E402
+from spes.train.plan import plan_node  # noqa: E402
 
 CASES = [
     ("moe-s", dict(hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8, num_kv_heads=8, num_experts=8,
@@ -35,8 +35,9 @@ SEQ, NODES, STEPS = 512, 4, 3
 CHILD = """
 import json, sys, torch
 sys.path.insert(0, {root!r})
-from spes.config import ModelConfig, SpesConfig
-from spes.trainer import build_node_trainer
+from spes.config.schema import ModelConfig, SpesConfig
+from spes.train.trainer import build_node_trainer
+from spes.model.transformer import CausalLM
 def hwm():
     for line in open('/proc/self/status'):
         if line.startswith('VmHWM'): return int(line.split()[1]) * 1024
@@ -52,7 +53,7 @@ x = torch.randint(0, cfg.vocab_size, (s.batch_size, s.seq_len))
 torch.set_num_threads(2)
 warm = ModelConfig(**{{**json.loads({cfg!r}), "num_layers": 1, "hidden_size": 64, "intermediate_size": 64,
                       "num_heads": 2, "num_kv_heads": 2, "vocab_size": 64}})  # thread pools etc. before measuring
-w = build_node_trainer(s, warm.build().to(dev), 0)
+w = build_node_trainer(s, CausalLM(warm).to(dev), 0)
 w.train_step(x[:, :16] % 64, x[:, :16] % 64, 0)
 del w
 if cuda:
@@ -61,7 +62,7 @@ if cuda:
 else:
     open('/proc/self/clear_refs', 'w').write('5')
     base = rss()
-model = cfg.build().to(dev)
+model = CausalLM(cfg).to(dev)
 tr = build_node_trainer(s, model, 0)
 for step in range({steps}):
     tr.train_step(x, x, step)

@@ -20,10 +20,10 @@ import tracemalloc
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from spes.config import ModelConfig, OptimConfig  # noqa: E402
-from spes.hf import to_hf  # noqa: E402
-from spes.model import CausalLM  # noqa: E402
-from spes.trainer import NodeTrainer  # noqa: E402
+from spes.config.schema import ModelConfig, OptimConfig  # noqa: E402
+from spes.model.hf import to_hf  # noqa: E402
+from spes.model.transformer import CausalLM  # noqa: E402
+from spes.train.trainer import NodeTrainer  # noqa: E402
 
 
 def timed(fn, steps):
@@ -151,7 +151,7 @@ def main():
         times = {}
         for impl in ("loop", "triton"):
             torch.manual_seed(0)
-            tr = NodeTrainer(dataclasses.replace(cfg, experts_impl=impl).build().to(dev), range(cfg.num_experts),
+            tr = NodeTrainer(CausalLM(dataclasses.replace(cfg, experts_impl=impl)).to(dev), range(cfg.num_experts),
                              OptimConfig(), 100)
             times[impl] = timed(lambda: tr.train_step(x, x, 50), a.steps)
         print(f"fp32 full step: experts loop {times['loop'] * 1e3:.1f} ms, Triton {times['triton'] * 1e3:.1f} ms "

@@ -1,7 +1,7 @@
 """What crosses the link per node per round, and what aggregation costs, measured side by side in one run.
 
-Real node rounds (spes.node_round: fetch the global, one local step, encode, upload) and real aggregation
-(spes.aggregator) on a local folder, for SPES with each codec and for DiLoCo (fp32, and int8 as
+Real node rounds (spes.round.node: fetch the global, one local step, encode, upload) and real aggregation
+(spes.round.aggregator) on a local folder, for SPES with each codec and for DiLoCo (fp32, and int8 as
 INTELLECT-1 sends), on one MoE (16 experts, 4 nodes by default). Per node per round in steady state
 (round 2: nodes rebuild global 1 from delta 1), counting every byte a node reads or writes on shared
 storage (manifests and commit markers included):
@@ -31,13 +31,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from spes.aggregator import aggregate_round, hold_global  # noqa: E402
-from spes.config import ModelConfig, Params  # noqa: E402
-from spes.data import TokenData, write_index  # noqa: E402
-from spes.node_round import node_round  # noqa: E402
-from spes.runs import MODEL_FILE, InitModel, Run, settings_fingerprint  # noqa: E402
-from spes.shards import ShardWriter  # noqa: E402
-from spes.store import Store  # noqa: E402
+from spes.config.schema import ModelConfig, Params  # noqa: E402
+from spes.data.shards import ShardWriter  # noqa: E402
+from spes.data.tokens import TokenData, write_index  # noqa: E402
+from spes.model.transformer import CausalLM  # noqa: E402
+from spes.round.aggregator import aggregate_round, hold_global  # noqa: E402
+from spes.round.node import node_round  # noqa: E402
+from spes.run.layout import MODEL_FILE  # noqa: E402
+from spes.run.run import InitModel, Run, settings_fingerprint  # noqa: E402
+from spes.storage.store import Store  # noqa: E402
 
 VARIANTS = [("spes", "fp32"), ("spes", "bf16"), ("spes", "int8"), ("diloco", "fp32"), ("diloco", "int8")]
 
@@ -72,7 +74,7 @@ def run_variant(a, root: str, data: TokenData, method: str, codec: str, after_ro
     store = Store.from_config(p.storage)
     run = Run(store, "bench")
     torch.manual_seed(0)
-    run.ensure(settings_fingerprint(p), InitModel.from_state(p.model.build().canonical_state_dict(), p.model, "bench"))
+    run.ensure(settings_fingerprint(p), InitModel.from_state(CausalLM(p.model).canonical_state_dict(), p.model, "bench"))
     model_bytes = store.read_manifest(run.layout.global_dir(0))["files"][MODEL_FILE]["bytes"]
     rows, extra, size, written = {}, {}, {}, {}
     for r in range(1, rounds + 1):
@@ -135,9 +137,9 @@ def time_aggregation(p: Params, store: Store, repeats: int, warm: bool) -> tuple
 PEAK_SNIPPET = """
 import json, sys
 sys.path.insert(0, {root!r})
-from spes.aggregator import aggregate_round
-from spes.params import params_from_dict
-from spes.store import Store
+from spes.round.aggregator import aggregate_round
+from spes.config.loader import params_from_dict
+from spes.storage.store import Store
 def status(key):
     for line in open('/proc/self/status'):
         if line.startswith(key):
@@ -158,7 +160,7 @@ for rel in (layout + '/global', layout + '/delta'):
 
 
 def peak_aggregate_bytes(p: Params) -> int:
-    from spes.params import to_dict
+    from spes.config.loader import to_dict
 
     code = PEAK_SNIPPET.format(root=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                params=json.dumps(to_dict(p)))

@@ -24,7 +24,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from spes.tokenization import BATCH_CHARS, train_bpe  # noqa: E402
+from spes.data.tokenization import BATCH_CHARS, train_bpe  # noqa: E402
 
 FILE_MB = 64
 
@@ -66,9 +66,9 @@ def make_corpus(folder: str, texts: list[str], megabytes: int) -> int:
 PIPELINE = """
 import json, sys, time
 sys.path.insert(0, {root!r})
-from spes.config import TokenizeConfig
-from spes.corpus import iter_documents
-from spes.tokenization import tokenize_corpus
+from spes.config.schema import TokenizeConfig
+from spes.data.corpus import iter_documents
+from spes.data.tokenization import tokenize_corpus
 t = TokenizeConfig(corpus={corpus!r})
 t0 = time.perf_counter()
 stats = tokenize_corpus(iter_documents(t), {out!r}, {vocab}, {tokenizer!r}, 0.05, 0)

@@ -17,10 +17,10 @@ from prefect import flow
 
 from pipelines.faults import FaultPlan
 from pipelines.node_ranks import run_node
-from spes.devices import node_threads
-from spes.params import params_from_dict
-from spes.store import Store
-from spes.token_share import fetch_tokens
+from spes.config.loader import params_from_dict
+from spes.run.token_share import fetch_tokens
+from spes.storage.store import Store
+from spes.train.devices import node_threads
 
 
 @flow(name="spes-node", flow_run_name="{run}-node-{node}-round-{r}")

@@ -17,12 +17,9 @@ import time
 from typing import Callable, Optional
 
 from pipelines.node_worker import RESULT
+from spes.errors import NodeFailed
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-class NodeFailed(RuntimeError):
-    pass
 
 
 def die_with_parent() -> None:

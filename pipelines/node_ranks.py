@@ -29,7 +29,8 @@ def check_ranks(p) -> None:
     """gpus_per_node GPUs must be visible where the node computes on CUDA; a one-line error before compute."""
     import torch
 
-    from spes.devices import DeviceError, resolve_device
+    from spes.errors import DeviceError
+    from spes.train.devices import resolve_device
 
     g = p.orchestration.gpus_per_node
     if resolve_device(p.orchestration.device).type == "cuda" and g > torch.cuda.device_count():
@@ -40,13 +41,13 @@ def check_ranks(p) -> None:
 def run_node(p, store, run: str, r: int, node: int, tokens_dir: str, threads: int,
              on_step: Optional[Callable[[int], None]] = None, checkpoint: bool = False) -> dict:
     """The node's round; its meta (what node_round returns)."""
-    from spes.data import TokenData
-    from spes.node_round import node_round
+    from spes.data.tokens import TokenData
+    from spes.round.node import node_round
 
     if p.orchestration.gpus_per_node == 1:
         return node_round(p, store, run, r, node, TokenData.open(tokens_dir), on_step=on_step, checkpoint=checkpoint)
     check_ranks(p)
-    from spes.params import to_dict
+    from spes.config.loader import to_dict
 
     g = p.orchestration.gpus_per_node
     with tempfile.TemporaryDirectory(prefix=f"spes-node{node}-r{r}-") as tmp:
@@ -69,11 +70,11 @@ def rank_main(cmd_path: str, out_path: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from spes.data import TokenData
-    from spes.devices import resolve_device
-    from spes.node_round import node_round
-    from spes.params import params_from_dict
-    from spes.store import Store
+    from spes.config.loader import params_from_dict
+    from spes.data.tokens import TokenData
+    from spes.round.node import node_round
+    from spes.storage.store import Store
+    from spes.train.devices import resolve_device
 
     with open(cmd_path) as f:
         cmd = json.load(f)

@@ -1,6 +1,6 @@
 """A node's long-lived process: `python -m pipelines.node_worker` reads one JSON command per line on stdin,
   {"params": {...resolved params...}, "run": "...", "round": r, "node": i, "checkpoint": bool}
-runs that node's round (spes.node_round: its state from its local folder, the global from storage; a
+runs that node's round (spes.round.node: its state from its local folder, the global from storage; a
 torchrun job of orchestration.gpus_per_node ranks where that is > 1, see node_ranks.py) and
 answers one line `RESULT {...}` on stdout with the node's meta. Staying alive across rounds saves the
 interpreter and torch start (seconds per round on small machines); since every round reloads its state
@@ -22,10 +22,10 @@ def serve() -> int:
 
     from pipelines.faults import FaultPlan
     from pipelines.node_ranks import run_node
-    from spes.devices import node_threads
-    from spes.params import params_from_dict
-    from spes.runs import RunLayout
-    from spes.store import Store
+    from spes.config.loader import params_from_dict
+    from spes.run.layout import RunLayout
+    from spes.storage.store import Store
+    from spes.train.devices import node_threads
 
     faults = FaultPlan.from_env()
     for line in sys.stdin:

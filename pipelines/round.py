@@ -22,15 +22,17 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.futures import wait
 
-from pipelines.node_pool import POOL, NodeFailed
-from spes.aggregator import UploadsRejected, aggregate_round
-from spes.config import Params
-from spes.data import TokenData
-from spes.evaluation import heldout_loss
-from spes.node_round import node_meta
-from spes.params import to_dict
-from spes.runs import Run, RunLayout
-from spes.store import Store
+from pipelines.node_pool import POOL
+from spes.config.loader import to_dict
+from spes.config.schema import Params
+from spes.data.tokens import TokenData
+from spes.errors import NodeFailed, UploadsRejected
+from spes.eval.heldout import heldout_loss
+from spes.round.aggregator import aggregate_round
+from spes.round.node import node_meta
+from spes.run.layout import RunLayout
+from spes.run.run import Run
+from spes.storage.store import Store
 
 
 def artifact_key(*parts: Any) -> str:

@@ -12,7 +12,7 @@ import argparse
 import os
 
 from pipelines.training import spes_training
-from spes.params import load_params
+from spes.config.loader import load_params
 
 
 def main() -> None:

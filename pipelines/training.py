@@ -17,14 +17,16 @@ from prefect.runtime import flow_run
 
 from pipelines.node_pool import POOL
 from pipelines.round import artifact_key, round_task
-from spes.config import Params
-from spes.data import TokenData, check_vocab
-from spes.node_round import node_state_root
-from spes.node_state import NodeStateDir
-from spes.params import load_params
-from spes.runs import InitModel, Run, RunLease, settings_fingerprint, tokens_dir
-from spes.store import Store
-from spes.token_share import publish_tokens
+from spes.config.loader import load_params
+from spes.config.schema import Params
+from spes.data.tokens import TokenData, check_vocab
+from spes.round.node import node_state_root
+from spes.run.layout import tokens_dir
+from spes.run.lease import RunLease
+from spes.run.node_state import NodeStateDir
+from spes.run.run import InitModel, Run, settings_fingerprint
+from spes.run.token_share import publish_tokens
+from spes.storage.store import Store
 
 STAGES = ("warmup", "train", "all")
 

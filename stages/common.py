@@ -6,8 +6,9 @@ import json
 import os
 import sys
 
-from spes.config import ConfigError, Params
-from spes.params import load_params
+from spes.config.loader import load_params
+from spes.config.schema import Params
+from spes.errors import ConfigError
 
 
 def parse(description: str) -> tuple[argparse.Namespace, Params]:
@@ -44,12 +45,7 @@ def prefect_env_defaults() -> None:
 def run(main) -> None:
     """Run a stage's main: the errors that describe bad input end the stage with one line on stderr
     (exit 1), not a traceback."""
-    from spes.data import DataError
-    from spes.devices import DeviceError
-    from spes.hf import HFConversionError
-    from spes.store import StoreError
-    from spes.corpus import CorpusError
-    from spes.upcycle import UpcycleError
+    from spes.errors import CorpusError, DataError, DeviceError, HFConversionError, StorageError, UpcycleError
 
     name = os.path.basename(sys.argv[0]).removesuffix(".py") if sys.argv and sys.argv[0] else "stage"
     try:
@@ -57,6 +53,6 @@ def run(main) -> None:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2)
-    except (DataError, DeviceError, HFConversionError, StoreError, CorpusError, UpcycleError) as e:
+    except (DataError, DeviceError, HFConversionError, StorageError, CorpusError, UpcycleError) as e:
         print(f"{name}: {type(e).__name__}: {e}", file=sys.stderr)
         raise SystemExit(1)

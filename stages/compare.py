@@ -21,8 +21,8 @@ from stages.common import prefect_env_defaults, run, write_json
 
 
 def _load(params_path: str):
-    from spes.compare import check_matrix
-    from spes.params import load_params
+    from spes.config.loader import load_params
+    from spes.eval.compare import check_matrix
 
     p = load_params(params_path)
     check_matrix(p)  # every variant checked before anything trains
@@ -32,12 +32,12 @@ def _load(params_path: str):
 def run_cell(a) -> None:
     import torch
 
-    from spes.compare import Cell, variant_params
-    from spes.data import TokenData
-    from spes.evaluation import heldout_loss
-    from spes.plan import node_memory
-    from spes.runs import Run
-    from spes.store import Store
+    from spes.data.tokens import TokenData
+    from spes.eval.compare import Cell, variant_params
+    from spes.eval.heldout import heldout_loss
+    from spes.run.run import Run
+    from spes.storage.store import Store
+    from spes.train.plan import node_memory
 
     p = _load(a.params)
     if a.variant not in p.compare.variants:
@@ -85,7 +85,7 @@ def run_cell(a) -> None:
 
 
 def report(a) -> None:
-    from spes.compare import CSV_COLUMNS, cells, report_markdown, summarize
+    from spes.eval.compare import CSV_COLUMNS, cells, report_markdown, summarize
 
     p = _load(a.params)
     out = a.dir or os.path.join(p.artifacts_dir, "compare")

@@ -11,6 +11,7 @@ import time
 
 from stages.common import out_dir, parse, run, write_json
 
+
 def main() -> None:
     _, p = parse(__doc__)
     d = out_dir(p, "dense")
@@ -22,18 +23,20 @@ def main() -> None:
         return
     import torch
 
-    from spes.data import BatchStream, TokenData, check_vocab
-    from spes.devices import resolve_device
-    from spes.evaluation import heldout_loss
-    from spes.hf import export_hf
-    from spes.trainer import NodeTrainer
+    from spes.data.tokenization import hf_tokenizer
+    from spes.data.tokens import BatchStream, TokenData, check_vocab
+    from spes.eval.heldout import heldout_loss
+    from spes.model.hf import export_hf
+    from spes.model.transformer import CausalLM
+    from spes.train.devices import resolve_device
+    from spes.train.trainer import NodeTrainer
 
     torch.manual_seed(p.dense.seed)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     tokens = os.path.join(p.artifacts_dir, "tokens")
     data = TokenData.open(tokens)
     check_vocab(p.model.vocab_size, data, tokens)
-    model = dataclasses.replace(p.model, num_experts=0).build().to(resolve_device(p.orchestration.device))
+    model = CausalLM(dataclasses.replace(p.model, num_experts=0)).to(resolve_device(p.orchestration.device))
     trainer = NodeTrainer(model, (), p.dense.optim, p.dense.steps, autocast_dtype=p.spes.autocast)
     # one reader in the run's data order, keyed by its own seed
     stream = BatchStream(data.train, p.dense.batch_size, p.dense.seq_len, p.dense.seed, node=0, order=p.data.order)
@@ -49,7 +52,7 @@ def main() -> None:
     model.to("cpu")
     arch = {"auto": None}.get(p.dense.export_arch, p.dense.export_arch)
     shutil.rmtree(hf_dir, ignore_errors=True)
-    export_hf(model, hf_dir, os.path.join(p.artifacts_dir, "tokens", "tokenizer.json"), arch)
+    export_hf(model, hf_dir, hf_tokenizer(os.path.join(p.artifacts_dir, "tokens", "tokenizer.json")), arch)
     write_json(os.path.join(d, "metrics.json"), {"skipped": False, "steps": p.dense.steps, "seconds": round(secs, 2),
                                                   "heldout_loss_before": before, "heldout_loss_after": after})
     print(f"dense: {p.dense.steps} steps in {secs:.1f}s, held-out loss {before:.4f} -> {after:.4f}; HF model at {hf_dir}")

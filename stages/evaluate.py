@@ -24,12 +24,14 @@ def main() -> None:
     _, p = parse(__doc__)
     import torch
 
-    from spes.data import TokenData
-    from spes.devices import resolve_device
-    from spes.evaluation import heldout_loss, run_lm_eval
-    from spes.hf import export_hf, to_hf
-    from spes.runs import Run
-    from spes.store import Store
+    from spes.data.tokenization import hf_tokenizer
+    from spes.data.tokens import TokenData
+    from spes.eval.heldout import heldout_loss, run_lm_eval
+    from spes.model.hf import export_hf, to_hf
+    from spes.model.transformer import CausalLM
+    from spes.run.run import Run
+    from spes.storage.store import Store
+    from spes.train.devices import resolve_device
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     d = out_dir(p, "eval")
@@ -48,7 +50,7 @@ def main() -> None:
     model, manifest = run.load_model(rounds[-1])
     final = evaluate(model)
     torch.manual_seed(p.init.seed + UNTRAINED_SEED_OFFSET)
-    untrained = evaluate(model.cfg.build())["loss"]
+    untrained = evaluate(CausalLM(model.cfg))["loss"]
     model.to("cpu")
 
     per_round, node_rows, tokens = [], [], 0
@@ -61,7 +63,7 @@ def main() -> None:
             node_rows.append({"round": rec["round"], "node": int(node), "train_loss": loss})
 
     hf_dir = os.path.join(d, "hf")
-    export_hf(model, hf_dir, os.path.join(p.artifacts_dir, "tokens", "tokenizer.json"))
+    export_hf(model, hf_dir, hf_tokenizer(os.path.join(p.artifacts_dir, "tokens", "tokenizer.json")))
     x = torch.from_numpy(data.val.read(0, 2 * e.seq_len).astype("int64")).view(2, e.seq_len)
     with torch.no_grad():
         parity = (to_hf(model)(x).logits - model(x).logits).abs().max().item()

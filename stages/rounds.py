@@ -26,8 +26,8 @@ def main() -> None:
         POOL.start(range(p.spes.nodes))  # node processes start while the Prefect server does
     with prefect_api():  # PREFECT_API_URL, or a local server that dies with this process
         from pipelines.training import spes_training
-        from spes.runs import Run
-        from spes.store import Store
+        from spes.run.run import Run
+        from spes.storage.store import Store
 
         out = spes_training(params_path=a.params, overrides=a.overrides, stage=stage,
                             run_name=p.orchestration.run_name,

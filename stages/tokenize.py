@@ -16,8 +16,8 @@ from stages.common import out_dir, parse, run, write_json
 
 def main() -> None:
     _, p = parse(__doc__)
-    from spes.corpus import CorpusStats, iter_documents
-    from spes.tokenization import replace_folder, tokenize_corpus
+    from spes.data.corpus import CorpusStats, iter_documents
+    from spes.data.tokenization import replace_folder, tokenize_corpus
 
     t = p.tokenize
     t0 = time.time()

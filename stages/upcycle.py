@@ -13,9 +13,11 @@ def main() -> None:
     import torch
     from safetensors.torch import save_file
 
-    from spes.data import DataError, TokenData, check_vocab
-    from spes.hf import HFConversionError, load_hf
-    from spes.upcycle import UpcycleError, upcycle
+    from spes.data.tokens import TokenData, check_vocab
+    from spes.errors import DataError, HFConversionError, UpcycleError
+    from spes.model.hf import load_hf
+    from spes.model.transformer import CausalLM
+    from spes.model.upcycle import upcycle
 
     d = out_dir(p, "init")
     tokens = os.path.join(p.artifacts_dir, "tokens")
@@ -27,7 +29,7 @@ def main() -> None:
     metrics: dict = {"mode": p.init.mode}
     torch.manual_seed(p.init.seed)
     if p.init.mode == "scratch":
-        model, source = p.model.build(), "scratch"
+        model, source = CausalLM(p.model), "scratch"
         with torch.no_grad():  # the router gets init.router_init_std, as an upcycled one does (0 = zeros)
             for moe in model.moe_layers():
                 moe.gate.weight.normal_(0.0, p.init.router_init_std) if p.init.router_init_std > 0 else moe.gate.weight.zero_()

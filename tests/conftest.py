@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 SHARED = os.path.join(os.path.dirname(ROOT), "shared")
 
-from spes.config import ModelConfig  # noqa: E402
+from spes.config.schema import ModelConfig  # noqa: E402
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=16, num_layers=2, num_heads=4, num_kv_heads=2,
             num_experts=4, top_k=2, max_seq_len=64)
@@ -38,7 +38,7 @@ def json_documents() -> list[str]:
 @pytest.fixture(scope="session")
 def tiny_tokens(tmp_path_factory) -> str:
     """One tokenized corpus for the session (BPE of 512 over the stdlib json sources; 2 of 5 held out)."""
-    from spes.tokenization import tokenize_corpus
+    from spes.data.tokenization import tokenize_corpus
 
     d = tmp_path_factory.mktemp("tokens") / "tokens"
     tokenize_corpus(json_documents(), str(d), 512, None, 0.2, 0)

@@ -4,8 +4,9 @@ import json
 import multiprocessing as mp
 import time
 
-from spes.runs import RunLocked, WriterLease
-from spes.store import Store
+from spes.errors import RunLocked
+from spes.run.lease import WriterLease
+from spes.storage.store import Store
 
 TRIALS = 100
 

@@ -5,7 +5,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,9 +13,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from spes.params import load_params
-from spes.runs import MODEL_FILE, Run
-from spes.store import Store
+from spes.config.loader import load_params
+from spes.model.transformer import CausalLM
+from spes.run.layout import MODEL_FILE
+from spes.run.run import Run
+from spes.storage.store import Store
 from tests.pipelines.tiny_project import INIT_SEED, make_project
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -28,7 +29,7 @@ def project(tmp_path_factory, tiny_tokens):
     make_project(root, tiny_tokens)
     p = load_params(str(root / "params.yaml"))
     torch.manual_seed(INIT_SEED)
-    model = p.model.build()
+    model = CausalLM(p.model)
     (root / "artifacts/init").mkdir()
     save_file(model.canonical_state_dict(), str(root / "artifacts/init/model.safetensors"))
     (root / "artifacts/init/config.json").write_text(json.dumps({"model_config": dataclasses.asdict(p.model), "source": "test"}))

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from spes.params import load_params
-from spes.store import Store, StoreUnavailable, UnsafePath
-from spes.config import ConfigError
+from spes.config.loader import load_params
+from spes.errors import ConfigError, StoreUnavailable, UnsafePath
+from spes.storage.store import Store
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -57,7 +57,7 @@ def test_a_paused_s3_endpoint_fails_in_bounded_time_with_each_retry_logged(moto_
     assert store.read_bytes("x") == b"payload"
     os.kill(proc.pid, signal.SIGSTOP)
     t0 = time.time()
-    with caplog.at_level(logging.WARNING, logger="spes.store"):
+    with caplog.at_level(logging.WARNING, logger="spes.storage.store"):
         with pytest.raises(StoreUnavailable, match="read x failed after 3 tries"):
             store.read_bytes("x")
     took = time.time() - t0

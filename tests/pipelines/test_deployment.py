@@ -14,9 +14,9 @@ import urllib.request
 
 import pytest
 
-from spes.params import load_params
-from spes.runs import Run
-from spes.store import Store
+from spes.config.loader import load_params
+from spes.run.run import Run
+from spes.storage.store import Store
 from tests.pipelines.tiny_project import assert_same, final_weights, init_run, make_project
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from pipelines.node_ranks import run_node
-from spes.aggregator import aggregate_round
-from spes.config import ConfigError
-from spes.params import params_from_dict, to_dict
-from spes.runs import MODEL_FILE
-from spes.sync import EXPERTS_FILE, SHARED_FILE
+from spes.config.loader import params_from_dict, to_dict
+from spes.errors import ConfigError
+from spes.round.aggregator import aggregate_round
+from spes.run.layout import MODEL_FILE
+from spes.sync.deltas import EXPERTS_FILE, SHARED_FILE
 from tests.spes.test_rounds import make_params, start
 
 
@@ -79,7 +79,7 @@ def test_bad_rank_settings_fail_before_compute(tmp_path):
         params_from_dict(d)
     if not torch.cuda.is_available():
         from pipelines.node_ranks import check_ranks
-        from spes.devices import DeviceError
+        from spes.errors import DeviceError
 
         d["spes"]["micro_batch_size"], d["orchestration"]["device"] = 1, "cuda"
         with pytest.raises(DeviceError, match="sees no CUDA device"):

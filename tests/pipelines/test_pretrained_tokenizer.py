@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import yaml
 
-from spes.data import TokenData
+from spes.data.tokens import TokenData
 from tests.conftest import SHARED, json_sources
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -6,10 +6,12 @@ import pytest
 import torch
 import yaml
 
-from spes.params import load_params
-from spes.aggregate import weighted_sum
-from spes.runs import Run, RunLocked, WriterLease
-from spes.store import Store, StoreError
+from spes.config.loader import load_params
+from spes.errors import RunLocked, StorageError
+from spes.run.lease import WriterLease
+from spes.run.run import Run
+from spes.storage.store import Store
+from spes.sync.methods import weighted_sum
 from tests.pipelines.tiny_project import assert_same, final_weights, init_run, make_project
 
 
@@ -55,7 +57,7 @@ def test_resume_from_a_checkpoint_round_equals_uninterrupted(project, reference)
     out = train(pfile, "resumed", stage="train", resume_round="latest")
     assert out["first_round"] == 3
     assert_same(final_weights(pfile, "resumed"), reference)
-    with pytest.raises(StoreError, match=r"round 1 is not resumable.*\(resumable: \[0, 2, 3\]\)"):
+    with pytest.raises(StorageError, match=r"round 1 is not resumable.*\(resumable: \[0, 2, 3\]\)"):
         train(pfile, "resumed", resume_round=1)
 
 

@@ -4,9 +4,10 @@ import shutil
 import torch
 import yaml
 
-from spes.params import load_params
-from spes.runs import InitModel, Run, settings_fingerprint
-from spes.store import Store
+from spes.config.loader import load_params
+from spes.model.transformer import CausalLM
+from spes.run.run import InitModel, Run, settings_fingerprint
+from spes.storage.store import Store
 
 PARAMS = {
     "model": {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 32, "num_layers": 2, "num_heads": 4,
@@ -30,7 +31,7 @@ def init_run(pfile, run, overrides=()) -> None:
     """Round 0 of `run`: a seeded from-scratch model, the same for every run."""
     p = load_params(pfile, list(overrides))
     torch.manual_seed(INIT_SEED)
-    init = InitModel.from_state(p.model.build().canonical_state_dict(), p.model, "scratch")
+    init = InitModel.from_state(CausalLM(p.model).canonical_state_dict(), p.model, "scratch")
     Run(Store.from_config(p.storage), run).ensure(settings_fingerprint(p), init)
 
 

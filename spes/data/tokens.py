@@ -1,0 +1,148 @@
+"""Tokenized data: a folder of token shards with its index, and deterministic, resumable batch streams.
+
+    <folder>/meta.json          the index: format, dtype, vocabulary, EOS id, per split its shards
+                                (file, tokens, documents, sha256); written last, so it marks a complete folder
+    <folder>/train-000000.bin   token shards (spes/data/shards.py), memory-mapped as one sequence per split
+    <folder>/val-000000.bin
+    <folder>/tokenizer.json
+
+A node's stream is a pure function of (order, seed, node, number of nodes, position), so a resume needs
+only the position (batches consumed); see spes/data/order.py for the two orders.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Iterator, Optional, Union
+
+import numpy as np
+import torch
+
+from spes.data.order import ORDERS, epoch_window_starts, random_window_starts
+from spes.data.shards import TokenSequence
+from spes.errors import DataError
+
+FORMAT = "spes-tokens/2"
+Tokens = Union[TokenSequence, np.ndarray]
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 65536 else np.dtype(np.uint32)
+
+
+def as_sequence(tokens: Tokens) -> TokenSequence:
+    return tokens if isinstance(tokens, TokenSequence) else TokenSequence([np.asarray(tokens)])
+
+
+@dataclass
+class TokenData:
+    train: TokenSequence
+    val: TokenSequence
+    vocab_size: int
+    """The tokenizer's vocabulary: every id is below it."""
+    eos_id: int
+    meta: dict
+    folder: str
+
+    @classmethod
+    def open(cls, folder: str) -> "TokenData":
+        """Open a complete token folder; shard sizes are checked against the index (sha256 is checked where
+        shards cross machines: spes/run/token_share.py)."""
+        meta_path = os.path.join(folder, "meta.json")
+        if not os.path.exists(meta_path):
+            raise DataError(f"no token data at {folder!r} (missing meta.json); run the tokenize stage first")
+        with open(meta_path) as f:
+            meta = json.load(f)
+        if meta.get("format") != FORMAT:
+            raise DataError(f"token data at {folder!r} is in format {meta.get('format', 'spes-tokens/1')!r}, not "
+                            f"{FORMAT!r}; run the tokenize stage again")
+        dtype = np.dtype(meta["dtype"])
+        splits = {}
+        for split in ("train", "val"):
+            shards = meta["splits"][split]["shards"]
+            for s in shards:
+                p = os.path.join(folder, s["file"])
+                if os.path.basename(s["file"]) != s["file"]:
+                    raise DataError(f"{meta_path}: refusing shard name {s['file']!r}")
+                if not os.path.exists(p):
+                    raise DataError(f"token shard missing: {p}")
+                size = os.path.getsize(p)
+                if size != s["tokens"] * dtype.itemsize:
+                    raise DataError(f"token shard {p} has {size} bytes, meta.json says {s['tokens']} {dtype.name} "
+                                    "tokens: truncated or foreign file")
+            splits[split] = TokenSequence.open(folder, shards, dtype)
+        return cls(splits["train"], splits["val"], int(meta["tokenizer_vocab"]), int(meta["eos_id"]), meta, folder)
+
+
+
+def write_index(folder: str, splits: dict[str, list[dict]], dtype: np.dtype, vocab_size: int, tokenizer_vocab: int,
+                eos_id: int, extra: Optional[dict] = None) -> dict:
+    """Write meta.json (last: a folder without it is incomplete)."""
+    meta = {"format": FORMAT, "dtype": np.dtype(dtype).name, "vocab_size": vocab_size,
+            "tokenizer_vocab": tokenizer_vocab, "eos_id": eos_id, **(extra or {}),
+            "splits": {k: {"tokens": sum(s["tokens"] for s in v), "documents": sum(s["documents"] for s in v),
+                           "shards": v} for k, v in splits.items()}}
+    tmp = os.path.join(folder, "meta.json.part")
+    with open(tmp, "w") as f:
+        json.dump(meta, f, indent=1)
+    os.replace(tmp, os.path.join(folder, "meta.json"))
+    return meta
+
+
+def check_vocab(model_vocab_size: int, data: TokenData, where: str) -> None:
+    """Refuse token ids the model cannot embed, before any compute (else an IndexError deep in a step)."""
+    if data.vocab_size > model_vocab_size:
+        raise DataError(f"model.vocab_size ({model_vocab_size}) is smaller than the tokenizer's vocabulary "
+                        f"({data.vocab_size}) of the token data at {where}; raise model.vocab_size or retokenize")
+
+
+def _window_batch(tokens: TokenSequence, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    chunk = torch.from_numpy(tokens.windows(starts, seq_len + 1))
+    return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+
+
+class BatchStream:
+    """Batches of windows of seq_len+1 tokens in the given order; position = batches already consumed.
+
+    order='epoch': node `node` of `num_nodes` reads its disjoint share of each epoch's permutation of
+    non-overlapping windows; 'random_windows': uniformly random window starts (the reference's sampling)."""
+
+    def __init__(self, tokens: Tokens, batch_size: int, seq_len: int, seed: int, node: int, position: int = 0,
+                 order: str = "epoch", num_nodes: int = 1):
+        tokens = as_sequence(tokens)
+        if order not in ORDERS:
+            raise DataError(f"unknown data order {order!r} (known: {', '.join(ORDERS)})")
+        if len(tokens) < seq_len + 2:
+            raise DataError(f"only {len(tokens)} tokens, need more than seq_len+1={seq_len + 1}")
+        if order == "epoch" and len(tokens) // (seq_len + 1) < num_nodes:
+            raise DataError(f"{len(tokens)} tokens make {len(tokens) // (seq_len + 1)} windows of {seq_len + 1}: "
+                            f"fewer than the {num_nodes} nodes that share them")
+        self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
+        self.seed, self.node, self.position, self.order, self.num_nodes = seed, node, position, order, num_nodes
+
+    def starts(self, position: int) -> np.ndarray:
+        if self.order == "epoch":
+            return epoch_window_starts(len(self.tokens), self.seq_len, self.seed, self.node, self.num_nodes,
+                                       position * self.batch_size, self.batch_size)
+        return random_window_starts(len(self.tokens), self.seq_len, self.seed, self.node, position, self.batch_size)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = self.starts(self.position)
+        self.position += 1
+        return _window_batch(self.tokens, starts, self.seq_len)
+
+
+def eval_batches(tokens: Tokens, batch_size: int, seq_len: int,
+                 num_batches: Optional[int] = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Fixed, non-overlapping windows from the start of the held-out split (same for every model): the
+    first `num_batches` batches, or all of it (None)."""
+    tokens = as_sequence(tokens)
+    n_windows = (len(tokens) - 1) // seq_len
+    if num_batches is not None:
+        n_windows = min(num_batches * batch_size, n_windows)
+    if n_windows == 0:
+        raise DataError(f"held-out split has {len(tokens)} tokens, fewer than one window of {seq_len + 1}")
+    starts = np.arange(n_windows) * seq_len
+    for i in range(0, n_windows, batch_size):
+        yield _window_batch(tokens, starts[i:i + batch_size], seq_len)

@@ -1,0 +1,130 @@
+"""Every error the library raises on purpose, under one root.
+
+`SpesError` is the root: an entry point turns any of them into one line naming the problem (stages/common.py);
+anything else is a bug and keeps its traceback. The families say whose fault it is:
+
+    ConfigError    a setting (params.yaml, an override, a preset), caught before any compute or write
+    DataError      a corpus, a tokenizer or token shards
+    ModelError     a checkpoint or an architecture (HF import/export, upcycling)
+    StorageError   shared storage: a missing, damaged or unsafe file, storage that does not answer
+    ProtocolError  the round protocol: a run, a round, an upload or a node state that does not fit
+    NodeError      a node's compute: its device, a non-finite loss, its process or job
+
+Several also derive from the builtin they refine (ValueError, RuntimeError), so callers that catch those
+keep working.
+"""
+from __future__ import annotations
+
+
+class SpesError(Exception):
+    """Root of every error raised on purpose by spes, pipelines and stages."""
+
+
+# -- config ------------------------------------------------------------------------------------------
+class ConfigError(SpesError, ValueError):
+    """A configuration problem, with a message naming the offending key."""
+
+
+class OwnershipError(ConfigError):
+    """An expert map that does not give every expert exactly one owner."""
+
+
+# -- data --------------------------------------------------------------------------------------------
+class DataError(SpesError, ValueError):
+    """Token data that cannot be used (missing, truncated, foreign, too small)."""
+
+
+class CorpusError(DataError):
+    """A corpus or tokenizer that cannot be read."""
+
+
+# -- model -------------------------------------------------------------------------------------------
+class ModelError(SpesError, ValueError):
+    """A checkpoint or architecture that cannot be converted or used."""
+
+
+class HFConversionError(ModelError):
+    pass
+
+
+class UpcycleError(ModelError):
+    pass
+
+
+# -- storage -----------------------------------------------------------------------------------------
+class StorageError(SpesError, RuntimeError):
+    """Shared storage (or a node's local store) failed or holds something unusable."""
+
+
+class IntegrityError(StorageError):
+    """A stored file does not match its manifest (truncated, altered or foreign)."""
+
+
+class NotCommitted(StorageError):
+    """The bundle has no COMMIT marker: it does not exist yet."""
+
+
+class AlreadyCommitted(StorageError):
+    pass
+
+
+class StoreUnavailable(StorageError):
+    """Storage did not answer within its timeout, retries included."""
+
+
+class UnsafePath(StorageError):
+    """A path that would leave the store's root, or a name that is not safe as a path."""
+
+
+# -- the round protocol ------------------------------------------------------------------------------
+class ProtocolError(SpesError, RuntimeError):
+    """A run, round, upload, record or node state that does not fit the protocol."""
+
+
+class RecordError(ProtocolError):
+    """A round record or meta that does not have the shape its reader expects (names the file)."""
+
+
+class CodecError(ProtocolError, ValueError):
+    """An encoded tensor that does not decode to the shape and dtype expected."""
+
+
+class RunMismatch(ProtocolError):
+    """Storage holds a run of this name made with other settings or another initial model."""
+
+
+class RunLocked(ProtocolError):
+    """Another writer holds the run's lease."""
+
+
+class QuorumError(ProtocolError):
+    """Fewer nodes committed than the quorum needs."""
+
+
+class UploadsRejected(ProtocolError):
+    """Committed uploads that failed verification; their nodes may run the round again."""
+
+    def __init__(self, nodes: dict[int, str]):
+        self.nodes = nodes
+        super().__init__("rejected uploads: " + "; ".join(f"node {i}: {m}" for i, m in sorted(nodes.items())))
+
+
+class NodeStateError(ProtocolError):
+    """The node state a round needs is missing, foreign or damaged."""
+
+
+# -- a node's compute --------------------------------------------------------------------------------
+class NodeError(SpesError, RuntimeError):
+    """A node could not compute its round."""
+
+
+class DeviceError(NodeError):
+    pass
+
+
+class NonFiniteLoss(NodeError):
+    pass
+
+
+class NodeFailed(NodeError):
+    """A node's process or job died or reported an error."""

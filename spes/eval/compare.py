@@ -1,0 +1,218 @@
+"""SPES against its baselines at equal tokens: the variant matrix and the report arithmetic (no I/O).
+
+A *variant* is a named list of `key=value` overrides of params.yaml (`compare.variants`); the matrix is
+variants x `compare.seeds` x `compare.lrs` x `compare.budgets` (multiples of spes.rounds). Every run starts
+from the same tokens and the same initial model, and every variant trains on the same number of tokens:
+overrides that would change the data, the init or the token count are refused before anything trains.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from spes.config.loader import params_from_dict, to_dict
+from spes.config.schema import Params, check_name
+from spes.errors import ConfigError
+
+FIXED_PREFIXES = ("tokenize.", "init.", "dense.", "storage.", "artifacts_dir", "orchestration.run_name", "compare.",
+                  "eval.")
+"""What a variant may not override: the data, the initial model, where results go, how they are scored."""
+MODEL_MATH_KEYS = ("lb_loss_coef", "z_loss_coef", "z_loss_reduction", "lm_head_z_loss_coef", "experts_impl")
+"""The only model settings a variant may change: losses and implementation, not the architecture (the init)."""
+
+
+def run_tokens(p: Params) -> int:
+    s = p.spes
+    return s.nodes * s.node_batch_size * s.seq_len * s.sync_steps * s.rounds
+
+
+@dataclass(frozen=True)
+class Cell:
+    variant: str
+    seed: int
+    lr: float
+    budget: int
+
+    @property
+    def key(self) -> str:  # what DVC's matrix calls the stage: <variant>-<seed>-<lr>-<budget>
+        return f"{self.variant}-{self.seed}-{self.lr}-{self.budget}"
+
+    @property
+    def run_name(self) -> str:
+        return f"cmp-{self.key}"
+
+
+def _check_override(variant: str, item: str) -> str:
+    if "=" not in item:
+        raise ConfigError(f"compare.variants.{variant}: {item!r} is not key=value")
+    key = item.split("=", 1)[0].strip()
+    if key.startswith(FIXED_PREFIXES) or (key.startswith("model.") and key.split(".", 1)[1] not in MODEL_MATH_KEYS):
+        raise ConfigError(f"compare.variants.{variant}: {key} may not differ between variants (same tokens, same "
+                          "initial model, same scoring)")
+    return item
+
+
+def variant_params(p: Params, variant: str, seed: Optional[int] = None, lr: Optional[float] = None,
+                   budget: int = 1) -> Params:
+    """Params of one run: the base with the variant's overrides, then seed, learning rate and budget."""
+    overrides = [_check_override(variant, o) for o in p.compare.variants[variant]]
+    try:
+        merged = OmegaConf.merge(OmegaConf.create(to_dict(p)), OmegaConf.from_dotlist(overrides))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"compare.variants.{variant}: {str(e).splitlines()[0]}") from None
+    d = OmegaConf.to_container(merged)
+    if seed is not None:
+        d["spes"]["seed"] = seed
+    if lr is not None:
+        d["spes"]["optim"]["lr"] = lr
+    d["spes"]["rounds"] *= budget
+    try:
+        return params_from_dict(d)  # unknown keys and bad values fail here, naming the key
+    except ConfigError as e:
+        raise ConfigError(f"compare.variants.{variant}: {e}") from None
+
+
+def check_matrix(p: Params) -> dict[str, Params]:
+    """Every variant resolved (once, at the base seed/lr/budget); one-line errors for a bad override, a
+    duplicate or unsafe name, a missing baseline, or a variant that trains on a different number of tokens."""
+    c = p.compare
+    if not c.variants:
+        raise ConfigError("compare.variants is empty")
+    for name in c.variants:
+        check_name(name, f"compare.variants.{name}")
+    if c.baseline not in c.variants:
+        raise ConfigError(f"compare.baseline {c.baseline!r} is not one of compare.variants {sorted(c.variants)}")
+    if not c.seeds or not c.lrs or not c.budgets:
+        raise ConfigError("compare.seeds, compare.lrs and compare.budgets must each list at least one value")
+    if any(lr <= 0 for lr in c.lrs) or any(b < 1 for b in c.budgets) or len(set(c.seeds)) != len(c.seeds):
+        raise ConfigError("compare.lrs must be > 0, compare.budgets >= 1, compare.seeds distinct")
+    resolved = {name: variant_params(p, name) for name in c.variants}
+    want = run_tokens(p)
+    for name, vp in resolved.items():
+        if run_tokens(vp) != want:
+            raise ConfigError(f"compare.variants.{name} trains on {run_tokens(vp)} tokens, the others on {want}: "
+                              "variants are compared at equal tokens (nodes x batch x seq_len x steps)")
+    return resolved
+
+
+def cells(p: Params) -> list[Cell]:
+    c = p.compare
+    return [Cell(v, s, lr, b) for v in c.variants for s in c.seeds for lr in c.lrs for b in c.budgets]
+
+
+# -- the report -----------------------------------------------------------------------------------------
+def _mean_std(xs: list[float]) -> tuple[float, float]:
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def paired_difference(runs: list[dict], base_runs: list[dict]) -> tuple[Optional[float], Optional[float]]:
+    """Mean over seeds of (loss - baseline loss) on the same held-out windows, and its standard error from
+    the per-window differences (pairing removes what the windows share: far tighter than either SE)."""
+    base = {r["seed"]: r for r in base_runs}
+    diffs, ses = [], []
+    for r in runs:
+        b = base.get(r["seed"])
+        if b is None or not r.get("heldout_windows") or len(r["heldout_windows"]) != len(b.get("heldout_windows") or []):
+            continue
+        d = [x - y for x, y in zip(r["heldout_windows"], b["heldout_windows"])]
+        diffs.append(statistics.fmean(d))
+        ses.append(statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else 0.0)
+    if not diffs:
+        return None, None
+    return statistics.fmean(diffs), math.sqrt(sum(x * x for x in ses)) / len(ses)
+
+
+def summarize(p: Params, results: list[dict]) -> dict:
+    """Per (variant, budget): the best learning rate's mean and spread over seeds, and everything the table
+    shows; plus the sweep and the merging effect. `results` are the runs' result.json dicts."""
+    by = {}
+    for res in results:
+        by.setdefault((res["variant"], res["budget"], res["lr"]), []).append(res)
+    sweep = {k: _mean_std([r["heldout_loss"] for r in v]) for k, v in by.items()}
+    rows = []
+    for budget in p.compare.budgets:
+        base_loss = None
+        best = {}
+        for variant in p.compare.variants:
+            lrs = [lr for (v, b, lr) in sweep if v == variant and b == budget]
+            if not lrs:
+                continue
+            lr = min(lrs, key=lambda x: sweep[(variant, budget, x)][0])
+            best[variant] = lr
+        if p.compare.baseline in best:
+            base_loss = sweep[(p.compare.baseline, budget, best[p.compare.baseline])][0]
+        for variant, lr in best.items():
+            runs = sorted(by[(variant, budget, lr)], key=lambda r: r["seed"])
+            mean, std = sweep[(variant, budget, lr)]
+            base_runs = by.get((p.compare.baseline, budget, best.get(p.compare.baseline)), [])
+            diff, diff_se = paired_difference(runs, base_runs)
+            rows.append({
+                "variant": variant, "budget": budget, "lr": lr, "seeds": len(runs),
+                "heldout_loss_mean": mean, "heldout_loss_std": std,
+                "heldout_loss_se": statistics.fmean(r["heldout_se"] for r in runs),
+                "ratio_to_centralized": mean / base_loss if base_loss else float("nan"),
+                "diff_to_baseline": diff, "diff_to_baseline_se": diff_se,
+                "tokens": runs[0]["tokens"], "trainable_params_per_node": runs[0]["trainable_params_per_node"],
+                "memory_bytes_per_node": runs[0]["memory_bytes_per_node"],
+                "peak_bytes_per_node": runs[0].get("peak_bytes_per_node"),
+                "bytes_per_node_per_round": statistics.fmean(r["bytes_per_node_per_round"] for r in runs),
+                "wall_s": statistics.fmean(r["wall_s"] for r in runs)})
+    merge = {}
+    if "spes" in p.compare.variants and "spes-no-merge" in p.compare.variants:
+        for budget in p.compare.budgets:
+            a = {(r["seed"], r["lr"]): r["heldout_loss"] for r in results if r["variant"] == "spes" and r["budget"] == budget}
+            b = {(r["seed"], r["lr"]): r["heldout_loss"] for r in results
+                 if r["variant"] == "spes-no-merge" and r["budget"] == budget}
+            diffs = [a[k] - b[k] for k in sorted(set(a) & set(b))]
+            if diffs:
+                merge[budget] = _mean_std(diffs) + (len(diffs),)
+    return {"rows": rows, "sweep": {f"{v}|{b}|{lr}": ms for (v, b, lr), ms in sorted(sweep.items())}, "merge": merge}
+
+
+def _fmt_bytes(n: Optional[float]) -> str:
+    return "-" if n is None or (isinstance(n, float) and math.isnan(n)) else f"{n / 2**20:.2f}"
+
+
+def report_markdown(p: Params, summary: dict) -> str:
+    c = p.compare
+    out = ["# SPES vs baselines at equal tokens\n",
+           f"Seeds {list(c.seeds)}, learning rates {list(c.lrs)} (best of each variant shown), budgets "
+           f"{list(c.budgets)} x spes.rounds; held-out loss on the whole held-out split (mean +- std over seeds; "
+           f"SE = standard error of one run's mean loss over its windows; the difference to {c.baseline} is paired "
+           f"by seed and window, with its standard error); baseline: {c.baseline}.\n"]
+    for budget in c.budgets:
+        out += [f"\n## Budget {budget}x\n",
+                f"| variant | seeds | lr | held-out loss | SE | ratio to {c.baseline} | minus {c.baseline} (paired SE) "
+                "| tokens | trainable params / node | weights+grads+Adam MiB / node | MiB on the wire / node / round "
+                "| wall s |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in (r for r in summary["rows"] if r["budget"] == budget):
+            paired = "-" if r["diff_to_baseline"] is None else \
+                f"{r['diff_to_baseline']:+.4f} ({r['diff_to_baseline_se']:.4f})"
+            out.append(f"| {r['variant']} | {r['seeds']} | {r['lr']:g} | {r['heldout_loss_mean']:.4f} +- "
+                       f"{r['heldout_loss_std']:.4f} | {r['heldout_loss_se']:.4f} | {r['ratio_to_centralized']:.4f} | "
+                       f"{paired} | "
+                       f"{r['tokens']} | {r['trainable_params_per_node']} | {_fmt_bytes(r['memory_bytes_per_node'])} | "
+                       f"{_fmt_bytes(r['bytes_per_node_per_round'])} | {r['wall_s']:.0f} |")
+    if summary["merge"]:
+        out += ["\n## Expert-merging warm-up (spes - spes-no-merge, paired by seed and lr)\n",
+                "| budget | mean difference | std | pairs |", "|---|---|---|---|"]
+        for budget, (mean, std, n) in sorted(summary["merge"].items()):
+            out.append(f"| {budget}x | {mean:+.4f} | {std:.4f} | {n} |")
+    out += ["\n## Learning-rate sweep (mean held-out loss over seeds)\n", "| variant | budget | lr | loss | std |",
+            "|---|---|---|---|---|"]
+    for k, (mean, std) in summary["sweep"].items():
+        v, b, lr = k.split("|")
+        out.append(f"| {v} | {b}x | {float(lr):g} | {mean:.4f} | {std:.4f} |")
+    return "\n".join(out) + "\n"
+
+
+CSV_COLUMNS = ["variant", "budget", "seeds", "lr", "heldout_loss_mean", "heldout_loss_std", "heldout_loss_se",
+               "ratio_to_centralized", "diff_to_baseline", "diff_to_baseline_se", "tokens",
+               "trainable_params_per_node", "memory_bytes_per_node", "peak_bytes_per_node",
+               "bytes_per_node_per_round", "wall_s"]

@@ -1,0 +1,73 @@
+"""Evaluation helpers: held-out loss/perplexity on fixed windows, and lm-eval harness tasks."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+import torch
+
+from spes.data.tokens import eval_batches
+from spes.model.transformer import CausalLM
+
+
+@torch.no_grad()
+def heldout_loss(model: CausalLM, tokens: np.ndarray, batch_size: int, seq_len: int,
+                 num_batches: Optional[int] = None) -> dict:
+    """Mean next-token loss over fixed windows of the held-out split (all of it when num_batches is None),
+    with the standard error of that mean estimated from the spread of the per-window means, and those
+    per-window means (two models on the same windows compare paired: spes/eval/compare.py)."""
+    model.eval()
+    device = next(model.parameters()).device
+    per_window = []
+    for x, y in eval_batches(tokens, batch_size, seq_len, num_batches):
+        logits = model(x.to(device)).logits.float()
+        nll_BS = torch.nn.functional.cross_entropy(logits.transpose(1, 2), y.to(device), reduction="none")
+        per_window.append(nll_BS.double().mean(dim=1))
+    w = torch.cat(per_window)  # every window has seq_len tokens: the loss is the mean of the window means
+    loss = w.mean().item()
+    se = (w.std(unbiased=True) / math.sqrt(len(w))).item() if len(w) > 1 else float("nan")
+    return {"loss": loss, "se": se, "perplexity": math.exp(min(loss, 50.0)), "tokens": len(w) * seq_len,
+            "windows": len(w), "per_window": w.tolist()}
+
+
+@torch.no_grad()
+def continuation_logprob(model: CausalLM, encode, context: str, continuation: str) -> float:
+    """log p(continuation | context) under `model`, tokenized as lm-eval's causal models do: trailing spaces
+    of the context move to the continuation, the pair is encoded whole and split at the context's length."""
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces:
+        context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
+    whole, ctx = encode(context + continuation), encode(context)
+    cont = whole[len(ctx):]
+    ids = torch.tensor((ctx + cont)[:-1]).unsqueeze(0)
+    device = next(model.parameters()).device
+    logp = torch.log_softmax(model.eval()(ids.to(device)).logits.float()[0, -len(cont):], dim=-1)
+    return logp.gather(1, torch.tensor(cont, device=device).unsqueeze(1)).sum().item()
+
+
+def lm_eval_results(hf_dir: str, tasks: list[str], include_path: Optional[str] = None, limit: Optional[int] = None,
+                    batch_size: int = 8, log_samples: bool = False) -> dict:
+    """lm-eval's own result dict for an exported HF directory (fp32, CPU)."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    tm = TaskManager(include_path=include_path) if include_path else TaskManager()
+    return lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={hf_dir},dtype=float32,device=cpu",
+                                   tasks=tasks, task_manager=tm, limit=limit, batch_size=batch_size,
+                                   log_samples=log_samples)
+
+
+def lm_eval_summary(res: dict) -> dict:
+    """{task: {metric: value}} from lm-eval's result dict (no aliases, no stderr)."""
+    out = {}
+    for task, metrics in res["results"].items():
+        out[task] = {k.split(",")[0]: float(v) for k, v in metrics.items()
+                     if isinstance(v, (int, float)) and not k.startswith("alias") and "stderr" not in k}
+    return out
+
+
+def run_lm_eval(hf_dir: str, tasks: list[str], include_path: Optional[str] = None,
+                limit: Optional[int] = None, batch_size: int = 8) -> dict:
+    """lm-eval on an exported HF directory; returns {task: {metric: value}}."""
+    return lm_eval_summary(lm_eval_results(hf_dir, tasks, include_path, limit, batch_size))

@@ -1,0 +1,257 @@
+"""Decoder-only transformer of the OLMoE family (MoE) and its dense counterpart, single device.
+
+Pre-norm blocks: x + attn(rmsnorm(x)), x + mlp(rmsnorm(x)); RoPE; optional q/k RMSNorm ('full' over all
+heads as in OLMoE, 'head' per head as in Qwen3); SwiGLU MLP or MoE. Parameter names follow Hugging Face
+(`model.layers.N.self_attn.q_proj.weight`, ...), so HF import/export is a rename of the experts at most.
+Shapes: B batch, S sequence, D hidden, H heads, Hkv kv heads, hd head dim, V vocab, L layers, E experts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from spes.config.schema import ModelConfig
+from spes.model.losses import grouped_load_balance_loss, load_balance_loss, router_z_loss
+from spes.model.moe import MoE
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    freqs_SH = torch.arange(seq_len, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs_SH, freqs_SH), dim=-1)  # (S, hd), HF's rotate-half convention
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x_BHSd: torch.Tensor, cos_Sd: torch.Tensor, sin_Sd: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x_BHSd.chunk(2, dim=-1)
+    return x_BHSd * cos_Sd + torch.cat((-x2, x1), dim=-1) * sin_Sd
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        D, H, Hkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head
+        self.H, self.Hkv, self.hd, self.qk_norm = H, Hkv, hd, cfg.qk_norm
+        self.q_proj = nn.Linear(D, H * hd, bias=False)
+        self.k_proj = nn.Linear(D, Hkv * hd, bias=False)
+        self.v_proj = nn.Linear(D, Hkv * hd, bias=False)
+        self.o_proj = nn.Linear(H * hd, D, bias=False)
+        if cfg.qk_norm == "full":
+            self.q_norm, self.k_norm = RMSNorm(H * hd, cfg.rms_norm_eps), RMSNorm(Hkv * hd, cfg.rms_norm_eps)
+        elif cfg.qk_norm == "head":
+            self.q_norm, self.k_norm = RMSNorm(hd, cfg.rms_norm_eps), RMSNorm(hd, cfg.rms_norm_eps)
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        q, k, v = self.q_proj(x_BSD), self.k_proj(x_BSD), self.v_proj(x_BSD)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, S, self.H, self.hd)
+        k = k.view(B, S, self.Hkv, self.hd)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q_BHSd = apply_rope(q.transpose(1, 2), cos, sin)
+        k_BHSd = apply_rope(k.transpose(1, 2), cos, sin)
+        v_BHSd = v.view(B, S, self.Hkv, self.hd).transpose(1, 2)
+        if self.Hkv != self.H:  # GQA: each kv head serves H/Hkv consecutive query heads (HF repeat_kv)
+            k_BHSd = k_BHSd.repeat_interleave(self.H // self.Hkv, dim=1)
+            v_BHSd = v_BHSd.repeat_interleave(self.H // self.Hkv, dim=1)
+        y = F.scaled_dot_product_attention(q_BHSd, k_BHSd, v_BHSd, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, S, self.H * self.hd))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.is_moe:
+            self.mlp: nn.Module = MoE(cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.top_k,
+                                      cfg.norm_topk_prob, cfg.init_std, cfg.experts_impl)
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, MoE):
+            y, router = self.mlp(h)
+            return x + y, router
+        return x + self.mlp(h), None
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([Block(cfg) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor
+    loss: Optional[torch.Tensor] = None  # ce + lb_coef * lb + z_coef * z (+ lm-head z-loss)
+    ce: Optional[torch.Tensor] = None
+    lb: Optional[torch.Tensor] = None
+    z: Optional[torch.Tensor] = None
+    expert_counts_LE: Optional[torch.Tensor] = None
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._init_weights()
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        for mod in self.modules():
+            if isinstance(mod, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(mod.weight, std=self.cfg.init_std)
+
+    activation_checkpointing = False
+    """Recompute each block's activations in the backward pass instead of keeping them (set by the trainer)."""
+
+    def forward(self, input_ids_BS: torch.Tensor, labels_BS: Optional[torch.Tensor] = None,
+                lb_expert_weight_E: Optional[torch.Tensor] = None, lb_groups: int = 1) -> ModelOutput:
+        """`lb_groups`: the load-balance loss is the mean of that of `lb_groups` equal groups of sequences
+        (the micro-batches a batch would be split into; see spes.losses.grouped_load_balance_loss)."""
+        B, S = input_ids_BS.shape
+        x = self.model.embed_tokens(input_ids_BS)
+        cos, sin = rope_cos_sin(S, self.cfg.dim_per_head, self.cfg.rope_theta, x.device, x.dtype)
+        routers = []
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
+        for layer in self.model.layers:
+            if recompute:  # non-reentrant: keeps the router outputs, recomputes bitwise-equal activations
+                x, r = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x, r = layer(x, cos, sin)
+            if r is not None:
+                routers.append(r)
+        logits = self.lm_head(self.model.norm(x))
+        out = ModelOutput(logits=logits)
+        if routers:
+            out.expert_counts_LE = torch.stack([r.counts_E for r in routers]).detach()
+        if labels_BS is None:
+            return out
+        logits32 = logits.float()
+        out.ce = F.cross_entropy(logits32.reshape(-1, logits.shape[-1]), labels_BS.reshape(-1))
+        out.loss = out.ce
+        if self.cfg.lm_head_z_loss_coef > 0:  # keeps the output logits from drifting (reference: 1e-5)
+            out.loss = out.loss + self.cfg.lm_head_z_loss_coef * torch.logsumexp(logits32, dim=-1).square().mean()
+        if routers:
+            k = self.cfg.top_k
+            if B % lb_groups:
+                raise ValueError(f"{B} sequences do not split into {lb_groups} load-balance groups")
+            out.lb = torch.stack([load_balance_loss(r.probs_TE, r.counts_E, k, lb_expert_weight_E) if lb_groups == 1
+                                  else grouped_load_balance_loss(r.probs_TE, r.top_idx_TK, lb_groups, k,
+                                                                 lb_expert_weight_E)
+                                  for r in routers]).mean()
+            z_L = torch.stack([router_z_loss(r.logits_TE) for r in routers])
+            out.z = z_L.sum() if self.cfg.z_loss_reduction == "sum" else z_L.mean()
+            out.loss = out.loss + self.cfg.lb_loss_coef * out.lb + self.cfg.z_loss_coef * out.z
+        return out
+
+    # -- experts by ownership -------------------------------------------------------------------
+    def moe_layers(self) -> list[MoE]:
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
+
+    def set_trainable_experts(self, owned, frozen_dtype: torch.dtype = torch.float32) -> None:
+        for moe in self.moe_layers():
+            moe.experts.set_trainable(owned, frozen_dtype)
+
+    # -- canonical (chunk-free) weights: the format on storage and for HF export ---------------------
+    def canonical_state_dict(self) -> dict[str, torch.Tensor]:
+        sd: dict[str, torch.Tensor] = {}
+        for name, p in self.named_parameters():
+            if ".mlp.experts.chunks." not in name:
+                sd[name] = p.detach()
+        for i, layer in enumerate(self.model.layers):
+            if isinstance(layer.mlp, MoE):
+                gate_up, down = layer.mlp.experts.full_weights()
+                sd[f"model.layers.{i}.mlp.experts.gate_up_proj"] = gate_up
+                sd[f"model.layers.{i}.mlp.experts.down_proj"] = down
+        if self.cfg.tie_embeddings:
+            sd.pop("lm_head.weight", None)
+        return sd
+
+    @torch.no_grad()
+    def load_canonical_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        expected = canonical_shapes(self.cfg)
+        missing = sorted(set(expected) - set(sd))
+        unexpected = sorted(set(sd) - set(expected))
+        if missing or unexpected:
+            raise KeyError(f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for name, shape in expected.items():
+            if tuple(sd[name].shape) != shape:
+                raise ValueError(f"{name}: shape {tuple(sd[name].shape)} != model's {shape}")
+        params = dict(self.named_parameters())
+        for name, t in sd.items():
+            if name in params:
+                params[name].copy_(t)
+        for i, layer in enumerate(self.model.layers):
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.experts.load_full(sd[f"model.layers.{i}.mlp.experts.gate_up_proj"],
+                                            sd[f"model.layers.{i}.mlp.experts.down_proj"])
+
+
+def canonical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of the canonical state dict of a model with this config (no model is built)."""
+    D, V, hd = cfg.hidden_size, cfg.vocab_size, cfg.dim_per_head
+    H, Hkv, I, E = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.num_experts
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (V, D)
+    norm_dims = {"full": (H * hd, Hkv * hd), "head": (hd, hd)}.get(cfg.qk_norm)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
+                       p + "self_attn.q_proj.weight": (H * hd, D), p + "self_attn.k_proj.weight": (Hkv * hd, D),
+                       p + "self_attn.v_proj.weight": (Hkv * hd, D), p + "self_attn.o_proj.weight": (D, H * hd)})
+        if norm_dims:
+            shapes[p + "self_attn.q_norm.weight"], shapes[p + "self_attn.k_norm.weight"] = (norm_dims[0],), (norm_dims[1],)
+        if cfg.is_moe:
+            shapes.update({p + "mlp.gate.weight": (E, D), p + "mlp.experts.gate_up_proj": (E, 2 * I, D),
+                           p + "mlp.experts.down_proj": (E, D, I)})
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (I, D), p + "mlp.up_proj.weight": (I, D),
+                           p + "mlp.down_proj.weight": (D, I)})
+    return shapes
+
+
+def is_expert_param(canonical_name: str) -> bool:
+    return ".mlp.experts." in canonical_name

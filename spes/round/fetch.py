@@ -1,0 +1,73 @@
+"""How a node gets global round r: rebuilt from the delta bundles since the global it holds (each step checked
+against the committed sha256), or downloaded whole when that chain is broken. The arithmetic is
+spes/sync/deltas.py's; this is the reading of it from storage."""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from safetensors.torch import load as st_load
+
+from spes.errors import IntegrityError, NotCommitted
+from spes.run.layout import MODEL_FILE, RunLayout
+from spes.storage.store import Store
+from spes.storage.tensorio import tensors_sha256
+from spes.sync.codecs import Codec
+from spes.sync.deltas import apply_delta
+
+log = logging.getLogger("spes.round.fetch")
+
+
+def delta_files(store: Store, layout: RunLayout, q: int, dm: dict, local_files: Optional[dict] = None) -> dict:
+    """The tensors of delta q (manifest `dm`): its own files and the owners' uploads it refers to, each
+    verified against the sha256 the delta recorded; `local_files` = {fname: (sha256, tensors)} held here."""
+    local_files = local_files or {}
+
+    def held(fname, sha):
+        return fname in local_files and local_files[fname][0] == sha
+
+    files = {f: local_files[f][1] for f, e in dm["files"].items() if held(f, e["sha256"])}
+    files.update(store.read_bundle(layout.delta_dir(q), [f for f in dm["files"] if f not in files], dm).files)
+    for fname, ref in dm["meta"]["expert_files"].items():
+        if "source" not in ref:
+            continue
+        if held(fname, ref["sha256"]):
+            files[fname] = local_files[fname][1]
+        else:
+            files[fname] = st_load(store.read_verified(ref["source"], ref["file"], ref))
+    return files
+
+
+def fetch_global(store: Store, layout: RunLayout, r: int, manifest: dict, codec: Codec, method: str, base, load_base,
+                 local_files: Optional[dict[str, tuple[str, dict]]] = None) -> tuple[dict[str, torch.Tensor], str]:
+    """Global round r for a node holding `base` = (round, sha256) (loaded by `load_base()`): rebuilt from the
+    delta bundles since its base (each step checked against the committed sha256), or the whole committed
+    model when the chain is missing. `local_files` = {fname: (sha256, tensors)} the node already holds (its
+    own last upload), read from here instead of storage. `manifest` is global r's. Returns (tensors, sha256)."""
+    want = manifest["files"][MODEL_FILE]["sha256"]
+    if base is not None and base[0] <= r:
+        k, sha = base
+        tensors = load_base()
+        for q in range(k + 1, r + 1):
+            try:
+                dm = store.read_manifest(layout.delta_dir(q))
+            except NotCommitted:
+                break
+            if dm["meta"]["base_sha256"] != sha:
+                break
+            try:
+                files = delta_files(store, layout, q, dm, local_files)
+            except (IntegrityError, NotCommitted) as e:  # e.g. an upload it refers to was pruned meanwhile
+                log.warning("delta %d unusable (%s); downloading global %d whole", q, e, r)
+                break
+            tensors = apply_delta(tensors, codec, method, files, dm["meta"]["expert_files"])
+            sha = tensors_sha256(tensors)
+            if sha != dm["meta"]["global_sha256"]:
+                log.warning("rebuilt global %d differs from the committed one (%s != %s); downloading it whole",
+                            q, sha[:12], dm["meta"]["global_sha256"][:12])
+                break
+        else:
+            if sha == want:
+                return tensors, sha
+    return store.read_bundle(layout.global_dir(r), [MODEL_FILE], manifest).files[MODEL_FILE], want

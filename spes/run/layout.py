@@ -1,0 +1,80 @@
+"""Where a run's state lives on shared storage: every path of the layout, in one place.
+
+    runs/<run>/info/                          run identity: fingerprint of the settings, run id (a bundle)
+    runs/<run>/lease/<gen:010d>.json          writer lease generations (exclusive create; highest holds)
+    runs/<run>/rounds/<r:06d>/global/         the committed model (+ DiLoCo outer state, server residual);
+                                              meta: contributors, and the node states it was built with
+    runs/<run>/rounds/<r:06d>/delta/          what nodes download: the encoded delta from global r-1 (sync.py)
+    runs/<run>/rounds/<r:06d>/nodes/<i:03d>/  node i's upload: its encoded delta against global r-1
+    runs/<run>/rounds/<r:06d>/states/<i:03d>/ node i's state after round r, at checkpoint rounds only
+                                              (otherwise it stays on the node: spes/run/node_state.py)
+    runs/<run>/rounds/<r:06d>/record/         how the round went: wall time, per-node rows, held-out loss
+    runs/<run>/superseded/<stamp>/<r:06d>/    rounds set aside by a resume from an earlier round (or a restart)
+    runs/<run>/rejected/<r>-<i>-<stamp>/      node uploads that failed verification, kept for inspection
+    data/tokens/<key>/                        token shards for nodes on other machines (raw files)
+
+Every folder but `lease/` and `superseded/` is a bundle (`spes/storage/store.py`): visible once committed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spes.config.schema import check_name
+
+MODEL_FILE, OUTER_FILE, RESIDUAL_FILE = "model.safetensors", "outer.safetensors", "residual.safetensors"  # global/
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    run: str
+
+    def __post_init__(self):
+        check_name(self.run, "run name")
+
+    @property
+    def base(self) -> str:
+        return f"runs/{self.run}"
+
+    @property
+    def info(self) -> str:
+        return f"{self.base}/info"
+
+    @property
+    def lease_dir(self) -> str:
+        return f"{self.base}/lease"
+
+    def lease_file(self, gen: int) -> str:
+        return f"{self.lease_dir}/{gen:010d}.json"
+
+    @property
+    def rounds_dir(self) -> str:
+        return f"{self.base}/rounds"
+
+    def round_dir(self, r: int) -> str:
+        return f"{self.rounds_dir}/{r:06d}"
+
+    def global_dir(self, r: int) -> str:
+        return f"{self.round_dir(r)}/global"
+
+    def node_dir(self, r: int, node: int) -> str:
+        return f"{self.round_dir(r)}/nodes/{node:03d}"
+
+    def delta_dir(self, r: int) -> str:
+        return f"{self.round_dir(r)}/delta"
+
+    def state_dir(self, r: int, node: int) -> str:
+        return f"{self.round_dir(r)}/states/{node:03d}"
+
+    def record_dir(self, r: int) -> str:
+        return f"{self.round_dir(r)}/record"
+
+    def rejected_dir(self, r: int, node: int, stamp: str) -> str:
+        return f"{self.base}/rejected/{r:06d}-{node:03d}-{stamp}"
+
+    def superseded_dir(self, stamp: str) -> str:
+        return f"{self.base}/superseded/{stamp}"
+
+
+def tokens_dir(key: str) -> str:
+    check_name(key, "token data key")
+    return f"data/tokens/{key}"

@@ -1,0 +1,155 @@
+"""A node's own state, kept on the node's machine between rounds (`orchestration.node_state_dir`).
+
+    <root>/<storage key>/<run>-<run id>/node-<i:03d>/
+        base/               the latest global model this node holds (model.safetensors + its round, sha256)
+        rounds/<r:06d>/     the node's state after training round r: optimizer (optim.safetensors), encoding
+                            residual (residual.safetensors), its own experts' last encoded upload
+                            (experts.safetensors), data position
+
+Both are bundles in the store format (a local Store), so a truncated or altered file is caught by its
+sha256 like anything on shared storage. A state is identified by its *digest* (the run id, node, round,
+data position and file hashes): the global round a node continues from records the digest of every
+node's state it was built with, and a node uses exactly that state, from here or from a checkpoint on
+shared storage (`runs/<run>/rounds/<r>/states/<i>`), or fails; it never falls back to another one.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from spes.errors import IntegrityError, NodeStateError, NotCommitted
+from spes.storage.store import Store
+
+OPTIM_FILE, RESIDUAL_FILE, EXPERTS_FILE, MODEL_FILE = ("optim.safetensors", "residual.safetensors",
+                                                       "experts.safetensors", "model.safetensors")
+
+
+def state_digest(manifest: dict) -> str:
+    m = manifest["meta"]
+    ident = {"run_id": m["run_id"], "node": m["node"], "round": m["round"], "data_position": m["data_position"],
+             "files": {f: e["sha256"] for f, e in sorted(manifest["files"].items())}}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass
+class NodeState:
+    """What a node carries from one round to its next: optimizer tensors, residual, data position."""
+
+    round: int
+    data_position: int
+    optim: dict[str, torch.Tensor]
+    residual: dict[str, torch.Tensor]
+    experts_upload: dict[str, torch.Tensor]
+    experts_sha256: str
+    digest: str
+    source: str
+
+
+def storage_key(url: str) -> str:
+    return hashlib.sha256(url.encode()).hexdigest()[:12]
+
+
+class NodeStateDir:
+    def __init__(self, root: str, storage_url: str, run: str, run_id: str, node: int):
+        self.run, self.run_id, self.node = run, run_id, node
+        self.path = os.path.join(os.path.expanduser(root), storage_key(storage_url), f"{run}-{run_id[:12]}",
+                                 f"node-{node:03d}")
+        self.local = Store(self.path, retries=0)
+
+    @staticmethod
+    def state_rel(r: int) -> str:
+        return f"rounds/{r:06d}"
+
+    # -- node state after a round ------------------------------------------------------------------
+    def save_state(self, r: int, data_position: int, optim, residual, experts_upload) -> dict:
+        files = {OPTIM_FILE: optim, RESIDUAL_FILE: residual, EXPERTS_FILE: experts_upload}
+        meta = {"run_id": self.run_id, "node": self.node, "round": r, "data_position": data_position}
+        rel = self.state_rel(r)
+        if self.local.is_committed(rel):  # a state of a round no global used (see discard_after): replace it
+            self.local.remove(rel)
+        manifest = self.local.write_bundle(rel, files, meta)
+        return {"digest": state_digest(manifest), "manifest": manifest, "files": files, "meta": meta}
+
+    def _check_identity(self, manifest: dict, where: str) -> None:
+        m = manifest["meta"]
+        if m.get("run_id") != self.run_id or m.get("node") != self.node:
+            raise NodeStateError(f"{where}: state of run {m.get('run_id')} node {m.get('node')}, not of run "
+                                 f"{self.run_id} node {self.node}; refusing to use it")
+
+    def _load(self, store: Store, rel: str, where: str, digest: str) -> Optional[NodeState]:
+        try:
+            manifest = store.read_manifest(rel)
+        except NotCommitted:
+            return None
+        self._check_identity(manifest, where)
+        if state_digest(manifest) != digest:
+            return None
+        b = store.read_bundle(rel)
+        return NodeState(manifest["meta"]["round"], int(manifest["meta"]["data_position"]), b.files[OPTIM_FILE],
+                         b.files[RESIDUAL_FILE], b.files[EXPERTS_FILE], manifest["files"][EXPERTS_FILE]["sha256"],
+                         digest, where)
+
+    def load_state(self, ref: dict, shared: Store, checkpoint_rel: str) -> NodeState:
+        """The state `ref` ({round, digest, checkpoint}) names: from this machine, else the checkpoint on
+        shared storage; anything else is an error naming what is missing."""
+        r, digest = int(ref["round"]), ref["digest"]
+        where = os.path.join(self.path, self.state_rel(r))
+        try:
+            state = self._load(self.local, self.state_rel(r), where, digest)
+        except IntegrityError as e:
+            state, damaged = None, e
+        else:
+            damaged = None
+        if state is None and ref.get("checkpoint"):
+            state = self._load(shared, checkpoint_rel, f"{shared.url}/{checkpoint_rel}", digest)
+        if state is None:
+            why = f" (the local copy is damaged: {damaged})" if damaged else ""
+            raise NodeStateError(f"node {self.node}: its state after round {r} (digest {digest[:12]}) that the "
+                                 f"committed global was built with is not in {where}{why}"
+                                 + (" nor in the checkpoint on shared storage" if ref.get("checkpoint") else
+                                    " and round {r} is no checkpoint round".format(r=r))
+                                 + "; resume from a resumable round")
+        return state
+
+    def has_state(self, ref: dict) -> bool:
+        try:
+            m = self.local.read_manifest(self.state_rel(int(ref["round"])))
+        except (NotCommitted, IntegrityError):
+            return False
+        return state_digest(m) == ref["digest"]
+
+    def discard_after(self, r: int) -> None:
+        """States of rounds > r belong to no committed global yet (a crash after saving, or a superseded
+        resume): drop them before round r+1 rewrites one."""
+        for name in self.local.list_names("rounds"):
+            if name.isdigit() and int(name) > r:
+                self.local.remove(f"rounds/{name}")
+
+    def prune_before(self, r: int) -> None:
+        """Drop states of rounds < r (kept: the ones a resume from a recent round can still need)."""
+        for name in self.local.list_names("rounds"):
+            if name.isdigit() and int(name) < r:
+                self.local.remove(f"rounds/{name}")
+
+    # -- the global model this node holds -------------------------------------------------------------
+    def base(self) -> Optional[tuple[int, str]]:
+        """(round, sha256) of the global model held here, or None."""
+        try:
+            m = self.local.read_manifest("base")
+        except (NotCommitted, IntegrityError):
+            return None
+        return int(m["meta"]["round"]), m["files"][MODEL_FILE]["sha256"]
+
+    def load_base(self) -> dict[str, torch.Tensor]:
+        return self.local.read_bundle("base").files[MODEL_FILE]
+
+    def save_base(self, r: int, model: dict[str, torch.Tensor]) -> str:
+        """Keep global round r here; returns its file's sha256 (to compare with the committed one)."""
+        self.local.remove("base")
+        manifest = self.local.write_bundle("base", {MODEL_FILE: model}, {"round": r, "run_id": self.run_id})
+        return manifest["files"][MODEL_FILE]["sha256"]

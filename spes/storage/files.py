@@ -1,0 +1,151 @@
+"""The byte layer of shared storage (fsspec: a local folder or s3://): safe paths, bounded and retried calls,
+whole-file writes, and counters of every call and byte.
+
+Every call goes through one `RetryPolicy` (spes/storage/retry.py), streams included (opening them; a stream
+that breaks midway surfaces as StoreUnavailable and the caller's unit of work, a bundle, is redone whole).
+Paths are relative to the store's root and may not leave it. What the files mean is the bundle format's
+business (spes/storage/store.py).
+"""
+from __future__ import annotations
+
+import posixpath
+import time
+from typing import Any, BinaryIO, Callable, Optional
+
+import fsspec
+
+from spes.errors import StoreUnavailable, UnsafePath
+from spes.storage.atomic import atomic_create, atomic_write
+from spes.storage.retry import RetryPolicy, is_transient
+
+
+class FileStore:
+    def __init__(self, url: str, options: Optional[dict] = None, timeout_s: float = 30.0, retries: int = 4,
+                 backoff_s: float = 0.5):
+        opts = dict(options or {})
+        protocol = url.split("://")[0] if "://" in url else "file"
+        if protocol == "s3":
+            # Listing caches would hide files other processes wrote: always go to storage. Bounded calls:
+            # one attempt per call inside botocore/s3fs, our own (logged) retries around it.
+            opts.setdefault("use_listings_cache", False)
+            opts.setdefault("skip_instance_cache", True)
+            ck = dict(opts.pop("config_kwargs", {}) or {})
+            ck.setdefault("connect_timeout", timeout_s)
+            ck.setdefault("read_timeout", timeout_s)
+            ck.setdefault("retries", {"max_attempts": 1})
+            opts["config_kwargs"] = ck
+        self.fs, root = fsspec.core.url_to_fs(url, **opts)
+        if protocol == "s3":
+            self.fs.retries = 1  # s3fs's own silent retries (a class attribute); ours log each one
+        self.url, self.root, self.protocol = url, root.rstrip("/") or "/", protocol
+        self.policy = RetryPolicy(retries, backoff_s, where=f"storage {url}")
+        self.bytes_read = self.bytes_written = 0  # every byte this store moved (traffic reports)
+        self.calls = 0  # every storage call (tests bound the calls a round makes)
+        if protocol == "file":
+            self.fs.makedirs(self.root, exist_ok=True)
+
+    @classmethod
+    def from_config(cls, storage) -> "FileStore":
+        """From a `StorageConfig` section."""
+        return cls(storage.url, storage.options, storage.timeout_s, storage.retries)
+
+    @property
+    def retries(self) -> int:
+        return self.policy.retries
+
+    def _io(self, what: str, fn: Callable, *args, **kwargs):
+        self.calls += 1
+        return self.policy.call(what, fn, *args, **kwargs)
+
+    # -- paths -----------------------------------------------------------------------------------
+    def path(self, *parts: str) -> str:
+        """Absolute storage path of `parts` (relative, '/'-separated); refuses anything leaving the root."""
+        rel = "/".join(parts)
+        segs = rel.split("/")
+        if rel.startswith("/") or "\\" in rel or any(s in ("", ".", "..") for s in segs):
+            raise UnsafePath(f"storage path {rel!r} is not a plain relative path under {self.url}")
+        full = posixpath.normpath(posixpath.join(self.root, rel))
+        if not (full + "/").startswith(self.root.rstrip("/") + "/"):
+            raise UnsafePath(f"storage path {rel!r} leaves {self.url}")
+        return full
+
+    # -- calls -----------------------------------------------------------------------------------
+    def exists(self, rel: str) -> bool:
+        return self._io(f"exists {rel}", self.fs.exists, self.path(rel))
+
+    def read_bytes(self, rel: str) -> bytes:
+        data = self._io(f"read {rel}", self.fs.cat_file, self.path(rel))
+        self.bytes_read += len(data)
+        return data
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """Replace `rel` with `data`, whole: readers see the old bytes or the new ones, never a torn mix
+        (local files: an fsynced temp file renamed over it; S3: a PUT is atomic)."""
+        if self.protocol == "file":
+            self._io(f"write {rel}", atomic_write, self.path(rel), data)
+        else:
+            self._io(f"write {rel}", self.fs.pipe_file, self.path(rel), data)
+        self.bytes_written += len(data)
+
+    def create_exclusive(self, rel: str, data: bytes) -> None:
+        """Write `rel` only if it does not exist (FileExistsError otherwise): local hard link, S3 If-None-Match.
+        A retried create that finds its own bytes there (the first try landed) counts as done."""
+        p = self.path(rel)
+        self._io(f"makedirs {posixpath.dirname(rel)}", self.fs.makedirs, posixpath.dirname(p), exist_ok=True)
+        for attempt in range(self.retries + 1):
+            self.calls += 1
+            try:
+                if self.protocol == "file":
+                    atomic_create(p, data)
+                else:
+                    with self.fs.open(p, "xb") as f:
+                        f.write(data)
+                self.bytes_written += len(data)
+                return
+            except FileExistsError:
+                if attempt > 0 and self._io(f"read {rel}", self.fs.cat_file, p) == data:
+                    return
+                raise
+            except Exception as e:
+                if not is_transient(e):
+                    raise
+                if attempt == self.retries:
+                    raise StoreUnavailable(f"storage {self.url}: create {rel} failed: {type(e).__name__}: {e}") from None
+                time.sleep(self.policy.backoff_s * 2 ** attempt)
+
+    def open(self, rel: str, mode: str) -> BinaryIO:
+        """A file object for streaming ('rb' or 'wb'); opening it goes through the retry policy."""
+        return self._io(f"open {rel}", self.fs.open, self.path(rel), mode)
+
+    def makedirs(self, rel: str) -> None:
+        self._io(f"makedirs {rel}", self.fs.makedirs, self.path(rel), exist_ok=True)
+
+    def list_names(self, rel: str) -> list[str]:
+        """Names directly under `rel` ([] if it does not exist)."""
+        p = self.path(rel)
+        try:
+            entries = self._io(f"list {rel}", self.fs.ls, p, detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != p)
+
+    def remove(self, rel: str) -> None:
+        p = self.path(rel)
+        try:
+            self._io(f"remove {rel}", self.fs.rm, p, recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def move(self, src: str, dst: str) -> None:
+        self._io(f"move {src}", self.fs.mv, self.path(src), self.path(dst), recursive=True)
+
+    def size_of(self, rel: str) -> int:
+        """Bytes stored under `rel` (all files below it)."""
+        p = self.path(rel)
+        if not self.exists(rel):
+            return 0
+        sizes = self._io(f"du {rel}", self.fs.du, p, total=False)
+        return int(sum(sizes.values())) if isinstance(sizes, dict) else int(sizes)
+
+    def stats(self) -> dict[str, Any]:
+        return {"calls": self.calls, "bytes_read": self.bytes_read, "bytes_written": self.bytes_written}

@@ -1,0 +1,116 @@
+"""What crosses the link at a sync, in both directions, and the arithmetic both sides must share.
+
+Up (node i, round r): the delta of what it trained against global r-1, encoded by the codec, with the
+node's error-feedback residual added first:
+    shared.safetensors    tensors averaged over nodes (SPES: the non-expert ones; baselines: all)
+    experts.safetensors   SPES only: the rows of the node's own experts
+Down (every node, round r): the global delta bundle `rounds/<r>/delta/`:
+    shared.safetensors    the encoded global delta of the averaged tensors
+    experts-<j>.safetensors  merging rounds only: the encoded delta of owner j's merged experts
+  and in its meta `expert_files`: per owner j whose rows changed, the rows and where their delta is: in the
+  delta bundle (merging rounds), or owner j's upload itself (`source`, `sha256`: the very bytes j sent, not
+  copied), which a node that is j already holds.
+The committed global r is prev + decode(delta), computed by `add_decoded` / `add_decoded_rows` on the CPU,
+so the aggregator and every node get the same bits (the node checks its rebuilt model's sha256 against
+the committed one).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from spes.model.transformer import is_expert_param
+from spes.sync.codecs import Codec
+
+SHARED_FILE, EXPERTS_FILE = "shared.safetensors", "experts.safetensors"
+
+
+def experts_file(owner: int) -> str:
+    return f"experts-{owner:03d}.safetensors"
+
+
+def is_averaged(method: str, name: str) -> bool:
+    """Tensors whose new value is a mean over nodes (everything for the baselines, shared params for SPES)."""
+    return method != "spes" or not is_expert_param(name)
+
+
+def encoded_specs(codec: Codec, shapes: dict[str, tuple[int, ...]]) -> list:
+    """File order of encoded tensors: by tensor name, then the codec's parts."""
+    return [spec for name in sorted(shapes) for spec in codec.encoded_specs(name, shapes[name])]
+
+
+def read_parts(reader, codec: Codec, name: str, shape) -> dict[str, torch.Tensor]:
+    return {part: reader.read(part) for part, _, _ in codec.encoded_specs(name, shape)}
+
+
+# -- the shared arithmetic -----------------------------------------------------------------------------
+def add_decoded(prev: torch.Tensor, codec: Codec, name: str, parts: dict) -> torch.Tensor:
+    return prev + codec.decode(name, parts, tuple(prev.shape))
+
+
+def _contiguous(rows: list[int]) -> bool:
+    return rows == list(range(rows[0], rows[0] + len(rows)))
+
+
+def add_decoded_rows(prev: torch.Tensor, changes: list[tuple[list[int], dict]], codec: Codec,
+                     name: str) -> torch.Tensor:
+    """An expert tensor whose rows of each owner (rows, parts) are prev[rows] + decode(parts); rows of no
+    owner in `changes` stay prev's. Rows are an owner's experts: contiguous blocks by default."""
+    new = torch.empty_like(prev)
+    covered = torch.zeros(prev.shape[0], dtype=torch.bool)
+    for rows, parts in changes:
+        dec = codec.decode(name, parts, (len(rows), *prev.shape[1:]))
+        if _contiguous(rows):
+            torch.add(prev[rows[0]:rows[0] + len(rows)], dec, out=new[rows[0]:rows[0] + len(rows)])
+        else:
+            idx = torch.tensor(rows, dtype=torch.long)
+            new[idx] = prev[idx] + dec
+        covered[rows] = True
+    if not bool(covered.all()):
+        new[~covered] = prev[~covered]
+    return new
+
+
+def encode_with_feedback(codec: Codec, name: str, x: torch.Tensor, residual: Optional[dict], keep: bool):
+    """Encode x (+ the residual kept for it); returns (parts, new residual or None)."""
+    if residual is not None and name in residual:
+        x = x + residual[name]
+    parts = codec.encode(name, x)
+    if keep and not codec.exact:
+        return parts, x - codec.decode(name, parts, tuple(x.shape))
+    return parts, None
+
+
+# -- node side: up ---------------------------------------------------------------------------------------
+def encode_upload(method: str, codec: Codec, prev: dict[str, torch.Tensor], trained: dict[str, torch.Tensor],
+                  owned: tuple[int, ...], residual: Optional[dict], error_feedback: bool):
+    """(files {fname: parts}, new residual) for a node that trained `trained` from global `prev`.
+    `trained` holds full averaged tensors and, for SPES, only the owned rows of expert tensors."""
+    files: dict[str, dict[str, torch.Tensor]] = {SHARED_FILE: {}}
+    if method == "spes":
+        files[EXPERTS_FILE] = {}
+    new_residual: dict[str, torch.Tensor] = {}
+    rows = torch.tensor(list(owned), dtype=torch.long)
+    for name in sorted(trained):
+        averaged = is_averaged(method, name)
+        base = prev[name] if averaged else prev[name][rows]
+        parts, res = encode_with_feedback(codec, name, trained[name].float() - base, residual, error_feedback)
+        files[SHARED_FILE if averaged else EXPERTS_FILE].update(parts)
+        if res is not None:
+            new_residual[name] = res
+    return files, new_residual
+
+
+# -- node side: down -------------------------------------------------------------------------------------
+def apply_delta(prev: dict[str, torch.Tensor], codec: Codec, method: str, files: dict[str, dict],
+                expert_files: dict[str, dict]) -> dict[str, torch.Tensor]:
+    """Global r from global r-1 and delta r (`files`: fname -> tensors, `expert_files` from its meta)."""
+    new = {}
+    for name in sorted(prev):
+        if is_averaged(method, name):
+            new[name] = add_decoded(prev[name], codec, name, files[SHARED_FILE])
+        else:
+            new[name] = add_decoded_rows(prev[name], [(expert_files[f]["rows"], files[f]) for f in sorted(expert_files)],
+                                         codec, name)
+    return new

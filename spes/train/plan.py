@@ -1,0 +1,174 @@
+"""What a node holds in memory, from the config alone (no model is built):
+
+- weights: trainable in fp32, frozen experts in `spes.frozen_dtype`; gradients and the two AdamW moments
+  (fp32) of what it trains: the accounting SPES saves on;
+- activations kept for the backward pass of one micro-batch, counted tensor by tensor from what this
+  implementation saves (spes/model/transformer.py, spes/model/moe.py; checked against autograd's saved tensors in
+  tests/spes/test_plan.py), with and without `spes.activation_checkpointing: block`;
+- a node of several ranks (DDP) holds all of it on every rank, activations of its own micro-batch.
+
+    python -m spes.train.plan [--params params.yaml] [--gpu-mem 48GiB] [key=value ...]
+
+prints it per node, against training the whole model on one device, and whether it fits. Under bf16
+autocast the estimate counts matmul inputs in bf16 and the bf16 weight copies autocast keeps; it is
+checked against measured peaks on the CPU in fp32 only (bench/memory_plan.py).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from typing import Optional
+
+from spes.config.ownership import ownership_for
+from spes.config.schema import ModelConfig, SpesConfig
+from spes.model.transformer import canonical_shapes, is_expert_param
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+F32, I64 = 4, 8
+
+
+def node_memory(cfg: ModelConfig, s: SpesConfig, node: int = 0) -> dict:
+    """Parameter counts and bytes of node `node` (gradients and two Adam moments in fp32 for what it trains)."""
+    own = ownership_for(s.method, cfg.num_experts, s.nodes, s.ownership).owned(node) if cfg.is_moe else ()
+    trainable = frozen = 0
+    for name, shape in canonical_shapes(cfg).items():
+        n = math.prod(shape)
+        if is_expert_param(name):
+            per_expert = n // cfg.num_experts
+            trainable += per_expert * len(own)
+            frozen += per_expert * (cfg.num_experts - len(own))
+        else:
+            trainable += n
+    weights = trainable * 4 + frozen * DTYPE_BYTES[s.frozen_dtype]
+    grads, optim = trainable * 4, trainable * 8
+    return {"trainable_params": trainable, "frozen_params": frozen, "weights_bytes": weights, "grads_bytes": grads,
+            "optimizer_bytes": optim, "total_bytes": weights + grads + optim}
+
+
+def block_activation_bytes(cfg: ModelConfig, tokens: int, act: int = F32) -> int:
+    """Bytes one transformer block keeps for its backward pass over `tokens` tokens (its input excluded).
+    `act`: bytes of a matmul input/output (4 in fp32, 2 under bf16 autocast); norms and the router stay fp32."""
+    D, H, Hkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head
+    Q, KV, I, E, K = H * hd, Hkv * hd, cfg.intermediate_size, cfg.num_experts, cfg.top_k
+    norm_in = (D + 1) * F32 + D * act  # rsqrt, normalized (fp32), the output as the next matmul's input
+    qk = {"head": (2 * Q + H + 2 * KV + Hkv) * F32, "full": (2 * Q + 2 * KV + 2) * F32, "none": 0}[cfg.qk_norm]
+    sdpa = 4 * Q * act + H * F32  # q, k, v (k, v repeated to all heads), output, log-sum-exp
+    per_token = norm_in + qk + sdpa + D * F32 + norm_in  # second norm also keeps its input (the residual sum)
+    if cfg.is_moe:
+        router = E * F32 + K * I64  # probabilities, top-k ids
+        # per routed row: gathered input, gate_up output (2I), silu output, product, expert output, weighted
+        # output (D each or I each), its row order and token ids (int64), its gate weight
+        routed = 3 * D * act + 4 * I * act + 2 * I64 + F32
+        per_token += router + K * routed
+    else:
+        per_token += 4 * I * act  # gate and up outputs, silu output, product
+    return tokens * per_token
+
+
+def saved_activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, checkpointing: bool = False,
+                           autocast: Optional[str] = None) -> int:
+    """What autograd keeps from one forward over `micro_batch` sequences until its backward: the block inputs,
+    what the losses keep, and the blocks' own activations unless they are checkpointed."""
+    T, D, V, L = micro_batch * seq_len, cfg.hidden_size, cfg.vocab_size, cfg.num_layers
+    act = F32 if autocast is None else 2
+    router_losses = (cfg.num_experts + 1) * F32 * T if cfg.is_moe else 0  # z-loss: router logits, their lse
+    # token ids, final norm (its input, rsqrt, normalized, the lm head's input), log-softmax of the logits,
+    # RoPE's cos and sin (shared by the layers)
+    top = T * (I64 + (2 * D + 1) * F32 + D * act + V * F32 + (V * act if autocast else 0)) \
+        + 2 * seq_len * cfg.dim_per_head * F32
+    blocks = 0 if checkpointing else L * block_activation_bytes(cfg, T, act)
+    return L * (T * D * F32 + router_losses) + blocks + top
+
+
+def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, checkpointing: bool = False,
+                     autocast: Optional[str] = None) -> int:
+    """Peak activation memory of one micro-batch's forward and backward: what autograd keeps, the logits
+    the forward returns, and the backward's largest working set: the loss's gradient over the vocabulary
+    (two T x V fp32 tensors) or, with checkpointing, a recomputed block and its gradients."""
+    T = micro_batch * seq_len
+    act = F32 if autocast is None else 2
+    working = 2 * T * cfg.vocab_size * F32
+    if checkpointing:
+        working = max(working, 2 * block_activation_bytes(cfg, T, act))
+    return saved_activation_bytes(cfg, micro_batch, seq_len, checkpointing, autocast) + T * cfg.vocab_size * act + working
+
+
+def autocast_weight_copies(cfg: ModelConfig, m: dict, frozen_dtype: str, checkpointing: bool) -> int:
+    """bf16 copies of the fp32 matmul weights autocast makes and keeps for the backward pass: all of them,
+    or with block checkpointing (nothing kept inside blocks) those of one layer and the lm head."""
+    fp32 = m["trainable_params"] + (m["frozen_params"] if frozen_dtype == "float32" else 0)
+    if checkpointing:
+        head = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_embeddings else 2)
+        fp32 = head + (fp32 - head) // cfg.num_layers
+    return fp32 * 2
+
+
+def plan_node(cfg: ModelConfig, s: SpesConfig, node: int, ranks: int = 1) -> dict:
+    """The node's memory per rank: parameters, gradients, optimizer state, activations of one micro-batch."""
+    m = node_memory(cfg, s, node)
+    micro = s.micro_batch_size or s.node_batch_size // ranks
+    for ckpt in (False, True):
+        act = activation_bytes(cfg, micro, s.seq_len, ckpt, s.autocast)
+        if s.autocast:
+            act += autocast_weight_copies(cfg, m, s.frozen_dtype, ckpt)
+        m["activations_checkpointed_bytes" if ckpt else "activations_bytes"] = act
+    m["micro_batch"] = micro
+    use = m["activations_checkpointed_bytes"] if s.activation_checkpointing == "block" else m["activations_bytes"]
+    m["peak_bytes"] = m["total_bytes"] + use
+    return m
+
+
+def parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?i?B?)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (e.g. 48GiB, 80GB)")
+    unit = (m.group(2) or "").upper().rstrip("B")
+    scale = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+def report(cfg: ModelConfig, s: SpesConfig, ranks: int, gpu_mem: Optional[int]) -> list[str]:
+    gib = 2**30
+    full_s = SpesConfig(**{**s.__dict__, "method": "fedavg", "num_nodes": 1, "ownership": None})
+    full = plan_node(cfg, full_s, 0, ranks)
+    lines = [f"model: {sum(math.prod(v) for v in canonical_shapes(cfg).values()):,} parameters; micro-batch "
+             f"{full['micro_batch']} x {s.seq_len} tokens per rank, {ranks} rank(s) per node"]
+    rows: dict[str, list[int]] = {}
+    for i in range(s.nodes):
+        m = plan_node(cfg, s, i, ranks)
+        fits = "" if gpu_mem is None else (" fits" if m["peak_bytes"] <= gpu_mem else " DOES NOT FIT") + \
+            f" in {gpu_mem / gib:.0f} GiB"
+        rows.setdefault(
+            f"trainable {m['trainable_params']:,} / frozen {m['frozen_params']:,} ({s.frozen_dtype}) params;"
+            f" weights {m['weights_bytes'] / gib:.2f} + grads {m['grads_bytes'] / gib:.2f} + Adam "
+            f"{m['optimizer_bytes'] / gib:.2f} GiB; activations {m['activations_bytes'] / gib:.2f} GiB "
+            f"({m['activations_checkpointed_bytes'] / gib:.2f} with block checkpointing); peak "
+            f"{m['peak_bytes'] / gib:.2f} GiB = {m['peak_bytes'] / full['peak_bytes']:.2f}x training the whole "
+            f"model{fits}", []).append(i)
+    for text, nodes in rows.items():  # nodes with the same numbers share a line
+        lines.append(f"node{'s' if len(nodes) > 1 else ''} {_ranges(nodes)}: {text}")
+    lines.append(f"whole model on one device: peak {full['peak_bytes'] / gib:.2f} GiB")
+    return lines
+
+
+def _ranges(nodes: list[int]) -> str:
+    return f"{nodes[0]}-{nodes[-1]}" if len(nodes) > 1 and nodes == list(range(nodes[0], nodes[-1] + 1)) \
+        else ", ".join(map(str, nodes))
+
+
+def main() -> None:
+    from spes.config.loader import load_params
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--gpu-mem", default=None, help="memory of one device, e.g. 48GiB")
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args()
+    p = load_params(a.params, a.overrides)
+    print("\n".join(report(p.model, p.spes, p.orchestration.gpus_per_node,
+                           parse_bytes(a.gpu_mem) if a.gpu_mem else None)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""Local training on one node: shared parameters + the node's own experts are trainable, the rest frozen.
+
+The optimizer is built over trainable parameters only, so frozen experts have no gradient and no
+optimizer state (the memory saving SPES relies on). The LR schedule is a pure function of the global
+step, so resuming needs only the step, the optimizer tensors and the data position.
+The trainer computes on the model's device; what it hands out for storage (upload, optimizer tensors)
+is on the CPU. Step metrics stay on the device (0-dim tensors) so a step never waits for the GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+
+from spes.config.ownership import ownership_for
+from spes.config.schema import OptimConfig, SpesConfig
+from spes.model.losses import decayed_lb_factor
+from spes.model.moe import MoE
+from spes.model.transformer import CausalLM, ModelOutput
+from spes.train.devices import autocast
+
+
+def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Linear warm-up to cfg.lr, then cosine decay to cfg.lr * min_lr_ratio at total_steps."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass
+class StepMetrics:
+    """What a step reports; `ce` is a 0-dim tensor on the model's device (float() on it waits for the step)."""
+    ce: torch.Tensor
+    tokens: int
+    expert_counts_LE: Optional[torch.Tensor]
+
+
+class NodeTrainer:
+    """One node's optimizer steps. With torch.distributed initialized (a node of several ranks), the model
+    is wrapped in DistributedDataParallel: each rank takes its share of the step's batch, gradients are
+    averaged once per step (not per micro-batch), and every rank keeps the same replica and Adam state;
+    frozen experts are outside DDP's reduction (no gradient)."""
+
+    def __init__(self, model: CausalLM, owned: Iterable[int], optim: OptimConfig, total_steps: int,
+                 frozen_dtype: torch.dtype = torch.float32, decayed_lb: bool = False,
+                 autocast_dtype: Optional[str] = None, micro_batch_size: Optional[int] = None):
+        self.model, self.cfg, self.total_steps = model, optim, total_steps
+        self.device = next(model.parameters()).device
+        self.autocast_dtype = autocast_dtype
+        self.micro_batch_size = micro_batch_size
+        self.owned = tuple(sorted(owned))
+        self.decayed_lb = decayed_lb
+        if model.cfg.is_moe:
+            model.set_trainable_experts(self.owned, frozen_dtype)
+        self.ddp = _wrap_ddp(model)
+        decay, no_decay = [], []
+        for _, p in self.trainable_named_parameters():
+            (decay if p.ndim >= 2 or optim.decay_norms else no_decay).append(p)
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=1e-8)
+
+    def trainable_named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def _lb_expert_weight(self, step: int) -> Optional[torch.Tensor]:
+        if not (self.decayed_lb and self.model.cfg.is_moe):
+            return None
+        w = torch.ones(self.model.cfg.num_experts, device=self.device)
+        w[list(self.owned)] = decayed_lb_factor(step, self.total_steps)
+        return w
+
+    def train_step(self, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor, step: int) -> StepMetrics:
+        """One optimizer step on the node's batch (on several ranks: this rank's share of it), in
+        micro-batches of `micro_batch_size` sequences with gradients accumulated."""
+        self.model.train()
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr_at(step, self.cfg, self.total_steps)
+        B = input_ids_BS.shape[0]
+        mb = self.micro_batch_size or B
+        if B % mb:
+            raise ValueError(f"a batch of {B} sequences does not split into micro-batches of {mb}")
+        k = B // mb
+        lb_weight = self._lb_expert_weight(step)
+        self.optimizer.zero_grad(set_to_none=True)
+        ce, counts = None, None
+        for i in range(k):
+            x = input_ids_BS[i * mb:(i + 1) * mb].to(self.device, non_blocking=True)
+            y = labels_BS[i * mb:(i + 1) * mb].to(self.device, non_blocking=True)
+            last = i == k - 1
+            with self._no_sync(not last), autocast(self.device, self.autocast_dtype):
+                out: ModelOutput = (self.ddp or self.model)(x, y, lb_weight)
+            with self._no_sync(not last):
+                (out.loss / k).backward()  # the step's loss is the mean over its micro-batches
+            ce = out.ce.detach() / k if ce is None else ce + out.ce.detach() / k
+            if out.expert_counts_LE is not None:
+                counts = out.expert_counts_LE if counts is None else counts + out.expert_counts_LE
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_([p for _, p in self.trainable_named_parameters()], self.cfg.grad_clip)
+        self.optimizer.step()
+        tokens = B * input_ids_BS.shape[1]
+        if self.ddp is not None:  # report the node's step: mean loss, all ranks' tokens and expert loads
+            ce, counts, tokens = _node_totals(ce, counts, tokens)
+        return StepMetrics(ce, tokens, counts)
+
+    def _no_sync(self, skip: bool):
+        """DDP reduces gradients in the last micro-batch's backward only."""
+        return self.ddp.no_sync() if self.ddp is not None and skip else contextlib.nullcontext()
+
+    # -- what goes up at a sync: shared params + owned expert rows (canonical names) ----------------
+    @torch.no_grad()
+    def upload(self) -> dict[str, torch.Tensor]:
+        up: dict[str, torch.Tensor] = {}
+        for name, p in self.model.named_parameters():
+            if ".mlp.experts.chunks." not in name:
+                up[name] = p.detach().to("cpu", copy=True)
+        for i, layer in enumerate(self.model.model.layers):
+            if isinstance(layer.mlp, MoE):
+                trained = [c for c in layer.mlp.experts.chunks if c.trainable]
+                for attr in ("gate_up_proj", "down_proj"):
+                    rows = [getattr(c, attr).detach() for c in trained]
+                    up[f"model.layers.{i}.mlp.experts.{attr}"] = torch.cat(rows).cpu() if rows else torch.empty(0)
+        return up
+
+    # -- optimizer state as flat tensors (safetensors-friendly, no pickle) ---------------------------
+    def optimizer_tensors(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self.trainable_named_parameters():
+            st = self.optimizer.state.get(p)
+            if not st:
+                continue
+            out[f"{name}::exp_avg"] = st["exp_avg"].detach().to("cpu", copy=True)
+            out[f"{name}::exp_avg_sq"] = st["exp_avg_sq"].detach().to("cpu", copy=True)
+            out[f"{name}::step"] = torch.as_tensor(st["step"], dtype=torch.float64).cpu().reshape(1).clone()
+        return out
+
+    def load_optimizer_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        names = {n for n, _ in self.trainable_named_parameters()}
+        stored = {k.split("::")[0] for k in tensors}
+        if stored and stored != names:
+            raise ValueError(f"optimizer state does not match this node's trainable parameters: "
+                             f"extra {sorted(stored - names)[:3]}, missing {sorted(names - stored)[:3]}")
+        for name, p in self.trainable_named_parameters():
+            if f"{name}::exp_avg" not in tensors:
+                continue
+            self.optimizer.state[p] = {
+                "step": torch.tensor(float(tensors[f"{name}::step"].item())),
+                "exp_avg": tensors[f"{name}::exp_avg"].to(device=p.device, dtype=p.dtype, copy=True),
+                "exp_avg_sq": tensors[f"{name}::exp_avg_sq"].to(device=p.device, dtype=p.dtype, copy=True),
+            }
+
+
+def _wrap_ddp(model: CausalLM):
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    from torch.nn.parallel import DistributedDataParallel
+
+    dev = next(model.parameters()).device
+    return DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
+                                   broadcast_buffers=False)
+
+
+def _node_totals(ce: torch.Tensor, counts: Optional[torch.Tensor], tokens: int):
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    ce = ce.clone()
+    dist.all_reduce(ce)
+    tok = torch.tensor([tokens], device=ce.device)
+    dist.all_reduce(tok)
+    if counts is not None:
+        counts = counts.clone()
+        dist.all_reduce(counts)
+    return ce / world, counts, int(tok.item())
+
+
+FROZEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def build_node_trainer(s: SpesConfig, model: CausalLM, node: int) -> NodeTrainer:
+    """The trainer of node `node` under the run's settings: its own experts (by `spes.ownership` or contiguous
+    blocks; every expert for the baselines) trainable, the others frozen in `spes.frozen_dtype`."""
+    cfg = model.cfg
+    own = ownership_for(s.method, cfg.num_experts, s.nodes, s.ownership).owned(node) if cfg.is_moe else ()
+    model.activation_checkpointing = s.activation_checkpointing == "block"
+    if s.compile:
+        for block in model.model.layers:
+            block.compile()
+    return NodeTrainer(model, own, s.optim, s.total_steps, FROZEN_DTYPES[s.frozen_dtype], s.decayed_lb, s.autocast,
+                       s.micro_batch_size)

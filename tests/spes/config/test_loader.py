@@ -1,0 +1,105 @@
+"""Validation: every bad setting is a one-line ConfigError naming its key, before any compute."""
+import glob
+import os
+
+import pytest
+
+from spes.config.loader import load_params, overrides_between, params_from_dict, to_dict, validate
+from spes.config.schema import Params, check_name
+from spes.errors import ConfigError
+from tests.conftest import ROOT
+
+PARAMS_YAML = os.path.join(ROOT, "params.yaml")
+
+
+def test_the_embedded_default_validates_and_round_trips():
+    p = load_params(PARAMS_YAML)
+    assert params_from_dict(to_dict(p)) == p
+
+
+@pytest.mark.parametrize("override,key", [
+    ("spes.num_nodes=3", "model.num_experts / spes.num_nodes"),
+    ("model.top_k=9", "model.top_k"),
+    ("spes.method=gossip", "spes.method"),
+    ("orchestration.min_nodes=5", "orchestration.min_nodes"),
+    ("spes.optim.lr=-1", "spes.optim.lr"),
+    ("spes.optim.lr=0", "spes.optim.lr"),
+    ("dense.optim.lr=0", "dense.optim.lr"),
+    ("dense.batch_size=0", "dense.batch_size"),
+    ("spes.batch_size=0", "spes.batch_size"),
+    ("spes.ownership=[[0,1,2,3],[4,5,6,7],[]]", "spes.ownership"),
+    ("spes.ownership=[[0,1,2],[3,4,5,6]]", "spes.ownership"),
+    ("model.num_kv_heads=0", "model.num_kv_heads"),
+    ("model.num_heads=0", "model.num_heads"),
+    ("spes.seq_len=0", "spes.seq_len"),
+    ("spes.seq_len=-4", "spes.seq_len"),
+    ("eval.seq_len=1024", "eval.seq_len"),
+    ("orchestration.round_timeout_s=0", "orchestration.round_timeout_s"),
+    ("orchestration.lock_ttl_s=0", "orchestration.lock_ttl_s"),
+    ("orchestration.lock_ttl_s=-5", "orchestration.lock_ttl_s"),
+    ("orchestration.run_name=../../../x", "orchestration.run_name"),
+    ("orchestration.run_name=a/b", "orchestration.run_name"),
+    ("orchestration.device=gpu0", "orchestration.device"),
+    ("spes.autocast=int8", "spes.autocast"),
+    ("model.experts_impl=fast", "model.experts_impl"),
+    ("storage.retries=-1", "storage.retries"),
+    ("spes.rounds=0", "spes.rounds"),
+])
+def test_bad_settings_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.").replace("/", r"\s*/\s*")) as e:
+        load_params(PARAMS_YAML, [override])
+    assert "\n" not in str(e.value)
+
+
+def test_validate_reads_no_files():
+    p = Params()
+    p.tokenize.corpus = "/nonexistent/*.txt"  # the tokenize stage checks the corpus; nodes hold none
+    assert validate(p) is p
+
+
+def test_unknown_keys_and_wrong_types(tmp_path):
+    f = tmp_path / "p.yaml"
+    f.write_text("spes:\n  nodes: 3\n")
+    with pytest.raises(ConfigError, match="nodes"):
+        load_params(str(f))
+    f.write_text("model:\n  hidden_size: lots\n")
+    with pytest.raises(ConfigError, match="hidden_size"):
+        load_params(str(f))
+    with pytest.raises(ConfigError, match="params file not found"):
+        load_params(str(tmp_path / "missing.yaml"))
+
+
+@pytest.mark.parametrize("name", ["default", "run-1.b_2", "A"])
+def test_safe_names(name):
+    assert check_name(name, "k") == name
+
+
+@pytest.mark.parametrize("name", ["..", "../x", "a/b", ".hidden", "a..b", "", "x" * 200, "a b", "a\\b"])
+def test_unsafe_names(name):
+    with pytest.raises(ConfigError, match="not a safe name"):
+        check_name(name, "k")
+
+
+PRESETS = sorted(glob.glob(os.path.join(ROOT, "configs", "spes-*.yaml")))
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=os.path.basename)
+def test_presets_validate_and_become_dvc_overrides(preset):
+    p = load_params(preset)
+    base = load_params(os.path.join(ROOT, "params.yaml"))
+    flags = overrides_between(base, p)
+    assert flags and to_dict(load_params(os.path.join(ROOT, "params.yaml"), flags)) == to_dict(p)
+
+
+def test_includes(tmp_path):
+    (tmp_path / "base.yaml").write_text("spes: {num_nodes: 4}\nmodel: {num_experts: 8}\n")
+    (tmp_path / "top.yaml").write_text("include: base.yaml\nspes: {batch_size: 4}\n")
+    p = load_params(str(tmp_path / "top.yaml"))
+    assert (p.spes.num_nodes, p.spes.batch_size) == (4, 4)
+    (tmp_path / "a.yaml").write_text("include: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("include: a.yaml\n")
+    with pytest.raises(ConfigError, match="include cycle"):
+        load_params(str(tmp_path / "a.yaml"))
+    (tmp_path / "c.yaml").write_text("include: missing.yaml\n")
+    with pytest.raises(ConfigError, match=r"params file not found: .*missing.yaml \(included by"):
+        load_params(str(tmp_path / "c.yaml"))

@@ -1,0 +1,124 @@
+"""The comparison matrix: variants differ in what they name and nothing else, at equal tokens; bad matrices
+are refused in one line; the report's arithmetic is exact."""
+import os
+
+import pytest
+
+from spes.config.loader import load_params, to_dict
+from spes.errors import ConfigError
+from spes.eval.compare import cells, check_matrix, report_markdown, run_tokens, summarize, variant_params
+from tests.conftest import ROOT
+
+PARAMS_YAML = os.path.join(ROOT, "params.yaml")
+
+
+def _flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k != "variants":
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _diff(a, b):
+    fa, fb = _flat(to_dict(a)), _flat(to_dict(b))
+    return {k for k in fa if fa[k] != fb[k]}
+
+
+def test_variants_differ_only_in_what_they_name_and_train_on_equal_tokens():
+    p = load_params(PARAMS_YAML)
+    v = check_matrix(p)
+    assert _diff(v["spes"], v["centralized"]) == {"spes.method"}
+    assert (v["spes"].spes.nodes, v["spes"].spes.node_batch_size) == (2, 8)
+    assert (v["centralized"].spes.nodes, v["centralized"].spes.node_batch_size) == (1, 16)  # derived, not set
+    assert _diff(v["spes"], v["spes-4nodes"]) == {"spes.num_nodes", "spes.batch_size"}
+    assert _diff(v["spes"], v["spes-int8"]) == {"sync.codec"}
+    assert _diff(v["spes"], v["spes-no-merge"]) == {"spes.merge.enabled"}
+    assert len({run_tokens(x) for x in v.values()}) == 1
+    cell = variant_params(p, "diloco", seed=1, lr=0.004, budget=4)
+    assert _diff(v["diloco"], cell) == {"spes.seed", "spes.optim.lr", "spes.rounds"} and cell.spes.rounds == 40
+    assert len(cells(p)) == 7 * 2 and cells(p)[0].run_name == "cmp-spes-0-0.002-1"
+
+
+@pytest.mark.parametrize("variants,message", [
+    ({"spes": ["spes.nodes=3"]}, "compare.variants.spes: .*nodes"),
+    ({"spes": ["tokenize.max_files=3"]}, "tokenize.max_files may not differ between variants"),
+    ({"spes": ["model.hidden_size=64"]}, "model.hidden_size may not differ"),
+    ({"spes": ["spes.batch_size=4"]}, "compare.variants.spes trains on .* tokens, the others on"),
+    ({"spes": ["spes.num_nodes=3"]}, "compare.variants.spes: .*cannot be split evenly over 3 nodes"),
+    ({"bad/name": []}, "not a safe name"),
+    ({"spes": ["spes.merge.enabled"]}, "is not key=value"),
+])
+def test_bad_matrices_are_refused_in_one_line(variants, message):
+    p = load_params(PARAMS_YAML)
+    p.compare.variants = {**variants, "centralized": ["spes.method=centralized"]}
+    with pytest.raises(ConfigError, match=message) as e:
+        check_matrix(p)
+    assert "\n" not in str(e.value)
+
+
+def test_duplicate_variant_names_and_a_missing_baseline(tmp_path):
+    f = tmp_path / "p.yaml"
+    f.write_text("compare:\n  variants:\n    spes: []\n    spes: [spes.method=fedavg]\n")
+    with pytest.raises(ConfigError, match="duplicate key spes"):
+        load_params(str(f))
+    p = load_params(PARAMS_YAML)
+    p.compare.baseline = "nope"
+    with pytest.raises(ConfigError, match="compare.baseline 'nope' is not one of"):
+        check_matrix(p)
+
+
+def _result(variant, seed, lr, loss, **kw):
+    base = {"variant": variant, "seed": seed, "lr": lr, "budget": 1, "heldout_loss": loss, "heldout_se": 0.01,
+            "tokens": 1000, "trainable_params_per_node": 10, "memory_bytes_per_node": 2**20,
+            "bytes_per_node_per_round": 3 * 2**20, "wall_s": 5.0, "curve": []}
+    return {**base, **kw}
+
+
+def test_summary_exact_numbers():
+    p = load_params(PARAMS_YAML)
+    p.compare.variants = {"spes": [], "spes-no-merge": ["spes.merge.enabled=false"], "centralized": ["spes.method=centralized"]}
+    p.compare.lrs = [0.001, 0.002]
+    results = [_result("spes", 0, 0.001, 3.0), _result("spes", 1, 0.001, 3.2), _result("spes", 0, 0.002, 3.5),
+               _result("spes", 1, 0.002, 3.7), _result("spes-no-merge", 0, 0.001, 3.05),
+               _result("spes-no-merge", 1, 0.001, 3.35), _result("spes-no-merge", 0, 0.002, 3.9),
+               _result("spes-no-merge", 1, 0.002, 3.9), _result("centralized", 0, 0.002, 2.5, wall_s=7.0),
+               _result("centralized", 1, 0.002, 2.7, wall_s=9.0), _result("centralized", 0, 0.001, 2.9),
+               _result("centralized", 1, 0.001, 2.9)]
+    s = summarize(p, results)
+    rows = {r["variant"]: r for r in s["rows"]}
+    assert rows["spes"]["lr"] == 0.001 and rows["spes"]["heldout_loss_mean"] == pytest.approx(3.1)
+    assert rows["spes"]["heldout_loss_std"] == pytest.approx(0.1414213562, rel=1e-6)
+    assert rows["centralized"]["lr"] == 0.002 and rows["centralized"]["wall_s"] == 8.0
+    assert rows["spes"]["ratio_to_centralized"] == pytest.approx(3.1 / 2.6)
+    assert rows["centralized"]["ratio_to_centralized"] == 1.0
+    mean, std, n = s["merge"][1]  # paired by (seed, lr): -0.05, -0.15, -0.4, -0.2
+    assert n == 4 and mean == pytest.approx(-0.2) and std == pytest.approx(0.1471960144, rel=1e-6)
+    md = report_markdown(p, s)
+    assert "| spes | 2 | 0.001 | 3.1000 +- 0.1414 | 0.0100 | 1.1923 |" in md
+    assert "| spes | 1x | 0.002 | 3.6000 | 0.1414 |" in md
+
+
+def test_paired_difference_to_the_baseline():
+    p = load_params(PARAMS_YAML)
+    p.compare.variants = {"spes": [], "centralized": ["spes.method=centralized"]}
+    results = [_result("spes", 0, 0.002, 3.0, heldout_windows=[3.0, 2.0, 4.0]),
+               _result("spes", 1, 0.002, 3.1, heldout_windows=[3.2, 2.1, 4.0]),
+               _result("centralized", 0, 0.002, 2.9, heldout_windows=[2.9, 1.9, 3.9]),
+               _result("centralized", 1, 0.002, 3.0, heldout_windows=[3.0, 2.0, 4.0])]
+    rows = {r["variant"]: r for r in summarize(p, results)["rows"]}
+    # seed 0: differences 0.1, 0.1, 0.1 (mean 0.1, SE 0); seed 1: 0.2, 0.1, 0.0 (mean 0.1, SE 0.1/sqrt(3))
+    assert rows["spes"]["diff_to_baseline"] == pytest.approx(0.1)
+    assert rows["spes"]["diff_to_baseline_se"] == pytest.approx((0.1 / 3**0.5) / 2)
+    assert rows["centralized"]["diff_to_baseline"] == 0.0
+    assert "| +0.1000 (0.0289) |" in report_markdown(p, summarize(p, results))
+    no_windows = [dict(r, heldout_windows=None) for r in results]
+    assert summarize(p, no_windows)["rows"][0]["diff_to_baseline"] is None
+
+
+@pytest.mark.parametrize("name", ["compare-lr.yaml", "compare-budget.yaml"])
+def test_the_extra_comparisons_validate(name):
+    p = load_params(os.path.join(os.path.dirname(PARAMS_YAML), "configs", name))
+    assert set(check_matrix(p)) == {"spes", "centralized"}

@@ -1,0 +1,210 @@
+"""Rounds as library calls against a local Store, no Prefect: node rounds, aggregation, codecs, node state,
+quorum, rejected uploads, retries."""
+import pytest
+import torch
+
+from spes.config.schema import Params
+from spes.data.tokens import TokenData
+from spes.errors import NodeStateError, NonFiniteLoss, QuorumError, UploadsRejected
+from spes.model.transformer import CausalLM
+from spes.round.aggregator import aggregate_round
+from spes.round.fetch import delta_files
+from spes.round.node import node_round, node_state_root
+from spes.run.layout import MODEL_FILE
+from spes.run.node_state import NodeStateDir
+from spes.run.run import InitModel, Run, settings_fingerprint
+from spes.storage.store import Store
+from spes.storage.tensorio import tensors_sha256
+from spes.sync.codecs import make_codec
+from spes.sync.deltas import EXPERTS_FILE, SHARED_FILE, apply_delta
+from spes.sync.methods import weighted_sum
+from tests.conftest import tiny_config
+
+
+def make_params(tmp_path, name="s", **sync) -> Params:
+    p = Params(model=tiny_config(vocab_size=512))
+    s = p.spes
+    s.num_nodes, s.sync_steps, s.rounds, s.warmup_rounds, s.batch_size, s.seq_len = 2, 2, 4, 2, 2, 16
+    p.dense.seq_len = p.eval.seq_len = 16  # a valid params file (nodes of several ranks re-validate it)
+    s.merge.interval, s.merge.decay_steps, s.merge.top_k = 4, 100, 2  # merging at round 2 (step 4)
+    for k, v in sync.items():
+        setattr(p.sync, k, v)
+    p.storage.url, p.orchestration.device = str(tmp_path / f"{name}-storage"), "cpu"
+    p.orchestration.node_state_dir = str(tmp_path / f"{name}-nodes")
+    return p
+
+
+def start(p: Params) -> Run:
+    store = Store.from_config(p.storage)
+    torch.manual_seed(0)
+    run = Run(store, "r")
+    run.ensure(settings_fingerprint(p), InitModel.from_state(CausalLM(p.model).canonical_state_dict(), p.model, "x"))
+    return run
+
+
+def do_round(p, run, data, r, nodes=(0, 1), **kw):
+    metas = [node_round(p, run.store, "r", r, i, data) for i in nodes]
+    return metas, aggregate_round(p, run.store, "r", r, **kw)
+
+
+@pytest.fixture(scope="module")
+def data(tiny_tokens):
+    return TokenData.open(tiny_tokens)
+
+
+def _global(run, r):
+    return run.store.read_bundle(run.layout.global_dir(r)).files[MODEL_FILE]
+
+
+@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8"])
+def test_every_node_rebuilds_the_committed_global_bit_for_bit(tmp_path, data, codec):
+    p = make_params(tmp_path, codec=codec)
+    run = start(p)
+    c = make_codec(codec)
+    for r in (1, 2, 3):
+        metas, agg = do_round(p, run, data, r)
+        assert agg["merged"] == (r == 2)
+        dm = run.store.read_manifest(run.layout.delta_dir(r))
+        rebuilt = apply_delta(_global(run, r - 1), c, "spes", delta_files(run.store, run.layout, r, dm),
+                              dm["meta"]["expert_files"])
+        committed_sha = run.store.read_manifest(run.layout.global_dir(r))["files"][MODEL_FILE]["sha256"]
+        assert tensors_sha256(rebuilt) == committed_sha == dm["meta"]["global_sha256"]
+        refs = dm["meta"]["expert_files"]
+        assert sorted(refs) == ["experts-000.safetensors", "experts-001.safetensors"]
+        if r == 2:  # merging changed every expert: each owner's merged rows are in the delta itself
+            assert all("source" not in ref and name in dm["files"] for name, ref in refs.items())
+        else:  # the owners' uploads are the delta of their rows: referred to, not copied
+            assert [ref["source"] for ref in refs.values()] == [run.layout.node_dir(r, i) for i in (0, 1)]
+            assert set(dm["files"]) == {SHARED_FILE}
+    info = run.info()
+    for i in (0, 1):  # what each node holds (rebuilt from deltas in round 3) has the committed sha256
+        base = NodeStateDir(node_state_root(p), run.store.url, "r", info["run_id"], i).base()
+        assert base == (2, run.store.read_manifest(run.layout.global_dir(2))["files"][MODEL_FILE]["sha256"])
+
+
+def test_spes_aggregation_exact_and_downloads_skip_own_experts(tmp_path, data):
+    p = make_params(tmp_path)
+    run = start(p)
+    do_round(p, run, data, 1)
+    ups = [run.store.read_bundle(run.layout.node_dir(1, i)).files for i in (0, 1)]
+    prev, new = _global(run, 0), _global(run, 1)
+    for name, t in new.items():
+        if ".experts." in name:  # each expert = prev + its owner's delta (the owner's rows only)
+            for i, rows in ((0, slice(0, 2)), (1, slice(2, 4))):
+                assert torch.equal(t[rows], prev[name][rows] + ups[i][EXPERTS_FILE][name]), name
+        else:
+            mean = weighted_sum([ups[0][SHARED_FILE][name], ups[1][SHARED_FILE][name]], [0.5, 0.5])
+            assert torch.equal(t, prev[name] + mean), name
+    metas, _ = do_round(p, run, data, 2)
+    model_bytes = run.store.read_manifest(run.layout.global_dir(0))["files"][MODEL_FILE]["bytes"]
+    dm = run.store.read_manifest(run.layout.delta_dir(1))
+    shared, refs = dm["files"][SHARED_FILE]["bytes"], dm["meta"]["expert_files"]
+    other, own = refs["experts-001.safetensors"]["bytes"], refs["experts-000.safetensors"]["bytes"]
+    assert metas[0]["bytes_down"] < model_bytes  # the delta minus its own experts, not the whole model
+    assert shared + other <= metas[0]["bytes_down"] < shared + other + own
+
+
+def test_a_retried_node_round_is_idempotent(tmp_path, data):
+    p = make_params(tmp_path)
+    run = start(p)
+    first = node_round(p, run.store, "r", 1, 0, data)
+    before = run.store.read_manifest(run.layout.node_dir(1, 0))
+    again = node_round(p, run.store, "r", 1, 0, data)
+    assert run.store.read_manifest(run.layout.node_dir(1, 0)) == before  # not recomputed, not rewritten
+    assert {k: again[k] for k in again if k != "seconds_save"} == {k: first[k] for k in again if k != "seconds_save"}
+
+
+def test_quorum_and_a_node_that_misses_a_round(tmp_path, data):
+    p = make_params(tmp_path)
+    run = start(p)
+    do_round(p, run, data, 1)
+    node_round(p, run.store, "r", 2, 0, data)
+    with pytest.raises(QuorumError, match=r"round 2: only nodes \[0\] committed, quorum is 2 of 2"):
+        aggregate_round(p, run.store, "r", 2)
+    agg = aggregate_round(p, run.store, "r", 2, min_nodes=1)
+    assert (agg["contributors"], agg["missing"]) == ([0], [1])
+    assert agg["node_states"]["1"]["round"] == 1  # node 1 continues from its round-1 state
+    g1, g2 = _global(run, 1), _global(run, 2)
+    if not agg["merged"]:
+        assert torch.equal(g2["model.layers.0.mlp.experts.down_proj"][2:], g1["model.layers.0.mlp.experts.down_proj"][2:])
+    metas, agg3 = do_round(p, run, data, 3)
+    assert agg3["contributors"] == [0, 1] and metas[1]["state"]["round"] == 3
+
+
+def _reference(tmp_path, data, rounds=3, **kw):
+    p = make_params(tmp_path, name="ref", **kw)
+    run = start(p)
+    for r in range(1, rounds + 1):
+        do_round(p, run, data, r)
+    return run.store.read_manifest(run.layout.global_dir(rounds))["files"][MODEL_FILE]["sha256"]
+
+
+def test_a_corrupt_committed_upload_is_that_nodes_failure(tmp_path, data):
+    p = make_params(tmp_path)
+    run = start(p)
+    do_round(p, run, data, 1)
+    for i in (0, 1):
+        node_round(p, run.store, "r", 2, i, data)
+    f = tmp_path / "s-storage/runs/r/rounds/000002/nodes/000/shared.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])  # truncated after its commit
+    with pytest.raises(UploadsRejected, match="node 0: .*nodes/000/shared.safetensors: (truncated|sha256/size)"):
+        aggregate_round(p, run.store, "r", 2, rerun_rejected=True)
+    assert not run.store.exists(run.layout.node_dir(2, 0))  # set aside, so the node can run the round again
+    assert run.store.list_names("runs/r/rejected")[0].startswith("000002-000-")
+    node_round(p, run.store, "r", 2, 0, data)  # re-run from its round-1 state: the same upload
+    aggregate_round(p, run.store, "r", 2, rerun_rejected=True)
+    do_round(p, run, data, 3)
+    assert run.store.read_manifest(run.layout.global_dir(3))["files"][MODEL_FILE]["sha256"] == _reference(tmp_path, data)
+
+
+def test_a_corrupt_upload_is_left_out_under_the_quorum(tmp_path, data):
+    p = make_params(tmp_path)
+    run = start(p)
+    node_round(p, run.store, "r", 1, 0, data)
+    node_round(p, run.store, "r", 1, 1, data)
+    m = tmp_path / "s-storage/runs/r/rounds/000001/nodes/001/experts.safetensors"
+    m.write_bytes(m.read_bytes()[:-1] + b"\x00")
+    agg = aggregate_round(p, run.store, "r", 1, min_nodes=1)
+    assert agg["contributors"] == [0] and "experts.safetensors" in agg["rejected"]["1"]
+
+
+def test_a_delta_against_another_base_is_rejected(tmp_path, data):
+    p = make_params(tmp_path)
+    run = start(p)
+    do_round(p, run, data, 1)
+    node_round(p, run.store, "r", 2, 0, data)
+    b = run.store.read_bundle(run.layout.node_dir(2, 0))
+    run.store.remove(run.layout.node_dir(2, 0))
+    run.store.write_bundle(run.layout.node_dir(2, 0), b.files, {**b.meta, "base_round": 0,
+                                                                  "base_sha256": "f" * 64})
+    with pytest.raises(UploadsRejected, match="its delta is against global 0 \\(ffffffffffff\\), not the committed global 1"):
+        aggregate_round(p, run.store, "r", 2, rerun_rejected=True)
+
+
+def test_node_state_is_the_one_the_global_was_built_with(tmp_path, data):
+    """Silent divergence is impossible: a node whose recorded state is gone fails, naming it; with the state
+    checkpointed on shared storage it continues, and the result is bitwise the uninterrupted one."""
+    p = make_params(tmp_path)
+    run = start(p)
+    do_round(p, run, data, 1)
+    for i in (0, 1):
+        node_round(p, run.store, "r", 2, i, data, checkpoint=True)
+    aggregate_round(p, run.store, "r", 2)
+    local = NodeStateDir(node_state_root(p), run.store.url, "r", run.info()["run_id"], 0)
+    local.local.remove("rounds/000002")  # the node's own copy is lost: the checkpoint serves
+    do_round(p, run, data, 3)
+    assert run.store.read_manifest(run.layout.global_dir(3))["files"][MODEL_FILE]["sha256"] == _reference(tmp_path, data)
+    local.local.remove("rounds/000003")  # round 3 was no checkpoint round: nothing to fall back to
+    with pytest.raises(NodeStateError, match=r"node 0: its state after round 3 .* round 3 is no checkpoint round"):
+        node_round(p, run.store, "r", 4, 0, data)
+    assert not run.store.exists(run.layout.node_dir(4, 0))
+
+
+def test_non_finite_loss_stops_the_node_and_commits_nothing(tmp_path, data):
+    p = make_params(tmp_path)
+    p.spes.optim.lr, p.spes.optim.grad_clip, p.spes.optim.warmup_steps = 1e6, 0.0, 0
+    p.spes.sync_steps = 6
+    run = start(p)
+    with pytest.raises(NonFiniteLoss, match=r"node 0 round 1: (loss is nan at step \d|.* is not finite after step 5)"):
+        node_round(p, run.store, "r", 1, 0, data)
+    assert not run.store.exists(run.layout.node_dir(1, 0))

@@ -1,0 +1,145 @@
+"""A run's identity and rounds on storage: fingerprint, creation, mismatch, resume resolution, records."""
+import copy
+
+import pytest
+import torch
+
+from spes.config.loader import to_dict
+from spes.config.schema import Params
+from spes.errors import RunMismatch, StorageError
+from spes.model.transformer import CausalLM
+from spes.run.layout import MODEL_FILE
+from spes.run.run import InitModel, Run, fingerprint_of, settings_fingerprint
+from spes.storage.store import Store
+from tests.conftest import tiny_config
+
+
+def test_new_settings_at_their_default_keep_runs_resumable():
+    p = Params()
+    p.spes.sync_steps = 77
+    now = to_dict(p)
+    older = copy.deepcopy(now)
+    del older["spes"]["autocast"], older["spes"]["merge"]["top_k"]  # as written by a release without them
+    assert fingerprint_of(older) == settings_fingerprint(p)
+
+
+def test_fingerprint_tracks_what_changes_the_run():
+    base = settings_fingerprint(Params())
+    for section, key, value in (("spes", "sync_steps", 3), ("model", "top_k", 1), ("spes", "autocast", "bfloat16")):
+        p = Params()
+        setattr(getattr(p, section), key, value)
+        assert settings_fingerprint(p) != base, key
+    p = Params()
+    p.orchestration.min_nodes, p.storage.url, p.model.experts_impl = 1, "s3://elsewhere", "loop"
+    assert settings_fingerprint(p) == base  # placement and implementation, not the run's maths
+
+
+def _init(seed=0):
+    torch.manual_seed(seed)
+    cfg = tiny_config()
+    return InitModel.from_state(CausalLM(cfg).canonical_state_dict(), cfg, "scratch")
+
+
+def test_ensure_creates_round_zero_and_refuses_other_settings_or_init(tmp_path):
+    run = Run(Store(str(tmp_path)), "r")
+    with pytest.raises(StorageError, match="does not exist .* no init model"):
+        run.ensure("fp1", None)
+    run.ensure("fp1", _init())
+    info = run.info()
+    assert run.committed_rounds() == [0] and info["fingerprint"] == "fp1"
+    assert info["init_sha256"] == run.store.read_manifest(run.layout.global_dir(0))["files"][MODEL_FILE]["sha256"]
+    run.ensure("fp1", _init())  # same identity: nothing to do
+    run.ensure("fp1", None)  # a resume that does not bring the init
+    with pytest.raises(RunMismatch, match="another settings"):
+        run.ensure("fp2", None)
+    with pytest.raises(RunMismatch, match="another initial model"):
+        run.ensure("fp1", _init(seed=1))
+    run.ensure("fp2", _init(seed=1), on_mismatch="restart")
+    assert run.info()["fingerprint"] == "fp2" and run.committed_rounds() == [0]
+    (old,) = (tmp_path / "runs/r/superseded").iterdir()
+    assert sorted(p.name for p in old.iterdir()) == ["000000", "info"]  # set aside, not deleted
+
+
+def test_resolve_start_and_supersede(tmp_path):
+    run = Run(Store(str(tmp_path)), "r")
+    run.ensure("fp", _init())
+    for r in (1, 2, 3):
+        run.store.write_bundle(run.layout.global_dir(r), {MODEL_FILE: {"w": torch.zeros(1)}}, {"round": r})
+    assert run.resolve_start("latest") == 4 and run.resolve_start(None) == 4
+    with pytest.raises(StorageError, match=r"round 7 is not committed \(committed: \[0, 1, 2, 3\]\)"):
+        run.resolve_start(7)
+    with pytest.raises(StorageError, match="resume_round must be"):
+        run.resolve_start("soon")
+    assert run.resolve_start(1) == 2
+    assert run.committed_rounds() == [0, 1]
+    (moved,) = (tmp_path / "runs/r/superseded").iterdir()
+    assert sorted(p.name for p in moved.iterdir()) == ["000002", "000003"]
+
+
+def test_records(tmp_path):
+    run = Run(Store(str(tmp_path)), "r")
+    run.write_record(2, {"round": 2, "wall_s": 1.5})
+    run.write_record(2, {"round": 2, "wall_s": 9.9})  # a retried round task keeps the first record
+    assert run.records(1, 3) == [{"round": 2, "wall_s": 1.5}]
+
+
+def _synthetic_run(tmp_path, refs_by_round):
+    """Globals 0..n with the given node_states; {round: {node: (state round, checkpoint)}}."""
+    from spes.run.node_state import state_digest
+
+    run = Run(Store(str(tmp_path)), "r")
+    run.ensure("fp", _init())
+    digests = {}
+    for r in sorted(refs_by_round):
+        states = {}
+        for node, (sr, ckpt) in refs_by_round[r].items():
+            if (sr, node) not in digests:
+                meta = {"run_id": "id", "node": node, "round": sr, "data_position": sr}
+                files = {"optim.safetensors": {"x": torch.full((2,), float(sr))}}
+                if ckpt:
+                    m = run.store.write_bundle(run.layout.state_dir(sr, node), files, meta)
+                else:
+                    m = {"meta": meta, "files": {"optim.safetensors": {"sha256": f"local-{sr}-{node}"}}}
+                digests[(sr, node)] = state_digest(m)
+            states[str(node)] = {"round": sr, "digest": digests[(sr, node)], "checkpoint": ckpt}
+        run.store.write_bundle(run.layout.node_dir(r, 0), {"shared.safetensors": {"d": torch.zeros(1)}}, {})
+        run.store.write_bundle(run.layout.global_dir(r), {MODEL_FILE: {"w": torch.zeros(1)}},
+                               {"round": r, "node_states": states})
+        run.write_record(r, {"round": r})
+    return run
+
+
+def test_resumable_rounds_and_resume_resolution(tmp_path):
+    run = _synthetic_run(tmp_path, {1: {0: (1, False), 1: (1, False)}, 2: {0: (2, True), 1: (2, True)},
+                                    3: {0: (3, False), 1: (2, True)}, 4: {0: (4, False), 1: (4, False)}})
+    assert run.resumable_rounds(lambda i, ref: False) == [0, 2]
+    assert run.resumable_rounds(lambda i, ref: ref["round"] >= 3) == [0, 2, 3, 4]
+    assert run.resumable_rounds(None) == [0, 2, 4]  # nodes elsewhere: the latest counts (they keep it)
+    with pytest.raises(StorageError, match=r"round 3 is not resumable.*\(resumable: \[0, 2\]\)"):
+        run.resolve_start(3, lambda i, ref: False)
+    assert run.resolve_start("latest", lambda i, ref: False) == 3  # says which, sets 3 and 4 aside
+    assert run.committed_rounds() == [0, 1, 2]
+
+
+def test_retention_keeps_what_a_resume_needs(tmp_path):
+    # node 1 misses rounds 4-6: the later globals still need its checkpointed round-3 state
+    run = _synthetic_run(tmp_path, {1: {0: (1, False), 1: (1, False)}, 2: {0: (2, True), 1: (2, True)},
+                                    3: {0: (3, False), 1: (3, True)}, 4: {0: (4, False), 1: (3, True)},
+                                    5: {0: (5, False), 1: (3, True)}, 6: {0: (6, False), 1: (3, True)}})
+    before = run.resumable_rounds(lambda i, ref: False)
+    assert run.prune(2) == [1, 3, 4]
+    assert run.committed_rounds() == [0, 2, 5, 6]
+    assert run.resumable_rounds(lambda i, ref: False) == before == [0, 2]
+    assert run.store.is_committed(run.layout.state_dir(3, 1))  # needed by rounds 5 and 6
+    assert run.store.is_committed(run.layout.state_dir(2, 0))
+    assert [r for r in range(1, 7) if run.store.list_names(f"{run.layout.round_dir(r)}/nodes")] == [5, 6]
+    assert [rec["round"] for rec in run.records(1, 6)] == [1, 2, 3, 4, 5, 6]  # records stay
+    assert run.prune(None) == []
+
+
+def test_retention_of_checkpoint_rounds_can_be_bounded(tmp_path):
+    run = _synthetic_run(tmp_path, {r: {i: (r, True) for i in (0, 1)} for r in range(1, 7)})
+    assert run.resumable_rounds(lambda i, ref: False) == [0, 1, 2, 3, 4, 5, 6]
+    assert run.prune(1, keep_checkpoints=2) == [1, 2, 3, 4]
+    assert run.committed_rounds() == [0, 5, 6]
+    assert [r for r in range(1, 7) if run.store.list_names(f"{run.layout.round_dir(r)}/states")] == [5, 6]
