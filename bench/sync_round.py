@@ -35,10 +35,12 @@ from spes.config.schema import ModelConfig, Params  # noqa: E402
 from spes.data.shards import ShardWriter  # noqa: E402
 from spes.data.tokens import TokenData, write_index  # noqa: E402
 from spes.model.transformer import CausalLM  # noqa: E402
-from spes.round.aggregator import aggregate_round, hold_global  # noqa: E402
+from spes.round.aggregator import Aggregator  # noqa: E402
+from spes.round.driver import run_round  # noqa: E402
 from spes.round.node import node_round  # noqa: E402
+from spes.run.identity import InitModel, settings_fingerprint  # noqa: E402
 from spes.run.layout import MODEL_FILE  # noqa: E402
-from spes.run.run import InitModel, Run, settings_fingerprint  # noqa: E402
+from spes.run.run import Run  # noqa: E402
 from spes.storage.store import Store  # noqa: E402
 
 VARIANTS = [("spes", "fp32"), ("spes", "bf16"), ("spes", "int8"), ("diloco", "fp32"), ("diloco", "int8")]
@@ -77,22 +79,27 @@ def run_variant(a, root: str, data: TokenData, method: str, codec: str, after_ro
     run.ensure(settings_fingerprint(p), InitModel.from_state(CausalLM(p.model).canonical_state_dict(), p.model, "bench"))
     model_bytes = store.read_manifest(run.layout.global_dir(0))["files"][MODEL_FILE]["bytes"]
     rows, extra, size, written = {}, {}, {}, {}
+    agg = Aggregator(p, store, "bench")
     for r in range(1, rounds + 1):
         w0 = store.bytes_written
-        rows[r] = [node_round(p, store, "bench", r, i, data, checkpoint=(r % 3 == 0)) for i in range(a.nodes)]
-        aggregate_round(p, store, "bench", r)
+        def run_nodes(nodes, checkpoint, r=r):
+            return {i: node_round(p, store, "bench", r, i, data, checkpoint=checkpoint) for i in nodes}
+
+        # the real round (spes/round/driver.py): nodes, aggregation, record, retention; no held-out probe
+        rec = run_round(p, run, r, run_nodes, lambda rerun, r=r: agg.aggregate(r, rerun_rejected=rerun),
+                        checkpoint=(r % 3 == 0))
+        rows[r] = rec.nodes
         written[r] = store.bytes_written - w0
         if r == 2 and after_round_2 is not None:
             extra = after_round_2(p, store)
-        run.prune(p.storage.keep_rounds)
         size[r] = store.size_of(run.layout.base)
     steady = rows[2]
     if rounds >= 6:  # rounds 4-6: one checkpoint round, like rounds 1-3
         extra["storage_growth_per_round"] = (size[6] - size[3]) / 3
         extra["stored_per_round_keep_all"] = sum(written[r] for r in (4, 5, 6)) / 3
-    up = sum(m["bytes_up"] for m in steady) / len(steady)
-    down = sum(m["bytes_down"] for m in steady) / len(steady)
-    ckpt = sum(m["bytes_up"] for m in rows[3]) / a.nodes - up
+    up = sum(m.bytes_up for m in steady) / len(steady)
+    down = sum(m.bytes_down for m in steady) / len(steady)
+    ckpt = sum(m.bytes_up for m in rows[3]) / a.nodes - up
     return {"bytes_up_per_node": up, "bytes_down_per_node": down, "ratio_vs_diloco_fp32": (up + down) / (2 * model_bytes),
             "checkpoint_bytes_per_node": ckpt, "model_bytes": model_bytes,
             "storage_bytes": size[rounds], **extra}
@@ -106,11 +113,12 @@ def time_aggregation(p: Params, store: Store, repeats: int, warm: bool) -> tuple
         # recompute global 2 from the same committed uploads (set its commits aside, restore after)
         for rel in (layout.global_dir(2), layout.delta_dir(2)):
             store.move(rel, rel + ".saved")
+        aggregator = Aggregator(p, store, "bench")
         if warm:
-            hold_global(store, "bench", 1)  # untimed: what the flow holds after committing round 1
+            aggregator.hold(1)  # untimed: what the flow holds after committing round 1
         r0, w0 = store.bytes_read, store.bytes_written
         t0 = time.perf_counter()
-        aggregate_round(p, store, "bench", 2)
+        aggregator.aggregate(2)
         t_agg.append(time.perf_counter() - t0)
         read, written = store.bytes_read - r0, store.bytes_written - w0
         inputs = [store.path(layout.global_dir(1), MODEL_FILE)] + [

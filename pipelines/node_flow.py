@@ -35,7 +35,7 @@ def spes_node(params: dict, run: str, r: int, node: int, tokens: Optional[str] =
     if tokens:
         folder = fetch_tokens(store, tokens, p.orchestration.node_cache_dir).folder
     return run_node(p, store, run, r, node, folder, threads, on_step=FaultPlan.from_env().hook(run, r, node),
-                    checkpoint=checkpoint)
+                    checkpoint=checkpoint).to_json()
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 from pipelines.node_worker import RESULT
 from spes.errors import NodeFailed
+from spes.run.records import NodeReport
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,8 +77,9 @@ class NodeProcess:
             if line.startswith(RESULT):
                 out = json.loads(line[len(RESULT):])
                 if not out["ok"]:
-                    raise NodeFailed(f"node {self.node} round {cmd['round']}: {out['error']}")
-                return "ok", out["meta"]
+                    raise NodeFailed(f"node {self.node} round {cmd['round']}: {out['error']}",
+                                     retryable=out.get("retryable", True))
+                return "ok", NodeReport.from_json(out["meta"], f"node {self.node} worker")
             log(line)
 
     def kill(self) -> None:

@@ -16,7 +16,10 @@ import os
 import subprocess
 import sys
 import tempfile
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
+
+if TYPE_CHECKING:
+    from spes.run.records import NodeReport
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,10 +42,11 @@ def check_ranks(p) -> None:
 
 
 def run_node(p, store, run: str, r: int, node: int, tokens_dir: str, threads: int,
-             on_step: Optional[Callable[[int], None]] = None, checkpoint: bool = False) -> dict:
-    """The node's round; its meta (what node_round returns)."""
+             on_step: Optional[Callable[[int], None]] = None, checkpoint: bool = False) -> NodeReport:
+    """The node's round; its report (what node_round returns)."""
     from spes.data.tokens import TokenData
     from spes.round.node import node_round
+    from spes.run.records import NodeReport
 
     if p.orchestration.gpus_per_node == 1:
         return node_round(p, store, run, r, node, TokenData.open(tokens_dir), on_step=on_step, checkpoint=checkpoint)
@@ -62,7 +66,7 @@ def run_node(p, store, run: str, r: int, node: int, tokens_dir: str, threads: in
             raise NodeRanksFailed(f"node {node} round {r}: its torchrun job of {g} ranks failed (exit {rc}); "
                                   "the ranks' output is above")
         with open(out) as f:
-            return json.load(f)
+            return NodeReport.from_json(json.load(f), out)
 
 
 def rank_main(cmd_path: str, out_path: str) -> None:
@@ -90,7 +94,7 @@ def rank_main(cmd_path: str, out_path: str) -> None:
                           TokenData.open(cmd["tokens"]), checkpoint=bool(cmd["checkpoint"]))
         if dist.get_rank() == 0:
             with open(out_path + ".part", "w") as f:
-                json.dump(meta, f)
+                json.dump(meta.to_json(), f)
             os.replace(out_path + ".part", out_path)
     finally:
         dist.destroy_process_group()

@@ -23,8 +23,10 @@ def serve() -> int:
     from pipelines.faults import FaultPlan
     from pipelines.node_ranks import run_node
     from spes.config.loader import params_from_dict
+    from spes.errors import retryable
     from spes.run.layout import RunLayout
     from spes.storage.store import Store
+    from spes.sync.methods import sync_method
     from spes.train.devices import node_threads
 
     faults = FaultPlan.from_env()
@@ -34,16 +36,16 @@ def serve() -> int:
         cmd = json.loads(line)
         try:
             p = params_from_dict(cmd["params"])
-            threads = node_threads(p, p.spes.nodes)
+            threads = node_threads(p, sync_method(p.spes).nodes)
             torch.set_num_threads(threads)
             r, node, run = int(cmd["round"]), int(cmd["node"]), cmd["run"]
             store = Store.from_config(p.storage)
             meta = run_node(p, store, run, r, node, os.path.join(p.artifacts_dir, "tokens"), threads,
                             on_step=faults.hook(run, r, node), checkpoint=bool(cmd.get("checkpoint")))
             faults.after_commit(run, r, node, store.path(RunLayout(run).node_dir(r, node)))
-            out = {"ok": True, "meta": meta}
+            out = {"ok": True, "meta": meta.to_json()}
         except Exception as e:  # report, stay alive for the next command
-            out = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            out = {"ok": False, "error": f"{type(e).__name__}: {e}", "retryable": retryable(e)}
         print(RESULT + json.dumps(out), flush=True)
     return 0
 

@@ -20,13 +20,17 @@ from pipelines.round import artifact_key, round_task
 from spes.config.loader import load_params
 from spes.config.schema import Params
 from spes.data.tokens import TokenData, check_vocab
+from spes.round.driver import checkpoint_due
 from spes.round.node import node_state_root
+from spes.run.identity import InitModel, legacy_fingerprint, settings_fingerprint
 from spes.run.layout import tokens_dir
 from spes.run.lease import RunLease
 from spes.run.node_state import NodeStateDir
-from spes.run.run import InitModel, Run, settings_fingerprint
+from spes.run.records import RoundRecord
+from spes.run.run import Run
 from spes.run.token_share import publish_tokens
 from spes.storage.store import Store
+from spes.sync.methods import sync_method
 
 STAGES = ("warmup", "train", "all")
 
@@ -91,28 +95,39 @@ def _local_state_checker(p: Params, run: Run):
     return lambda node, ref: NodeStateDir(root, run.store.url, run.name, run_id, node).has_state(ref)
 
 
-def is_checkpoint_round(p: Params, r: int, stage_last: int) -> bool:
-    return r % p.checkpoint.every_rounds == 0 or r == stage_last or r == p.spes.rounds
-
-
-def _heldout_markdown(run: Run, last: int) -> str:
-    rows = [rec for rec in run.records(1, last) if rec.get("heldout_loss") is not None]
+def _heldout_markdown(curve: list[tuple[int, int, float]]) -> str:
     lines = ["| round | tokens so far | held-out loss |", "|---|---|---|"]
-    total = 0
-    for rec in run.records(1, last):
-        total += rec.get("tokens", 0)
-        if rec.get("heldout_loss") is not None:
-            lines.append(f"| {rec['round']} | {total} | {rec['heldout_loss']:.4f} |")
-    return f"Held-out loss of the committed global ({len(rows)} rounds)\n\n" + "\n".join(lines)
+    lines += [f"| {r} | {tokens} | {loss:.4f} |" for r, tokens, loss in curve]
+    return f"Held-out loss of the committed global ({len(curve)} rounds)\n\n" + "\n".join(lines)
+
+
+class HeldOutCurve:
+    """(round, tokens so far, held-out loss) of the run, kept in the flow: the records of earlier rounds are
+    read once when the flow starts, then each round adds its own (no per-round rescan of storage)."""
+
+    def __init__(self, run: Run, first: int):
+        self.points: list[tuple[int, int, float]] = []
+        self.tokens = 0
+        for rec in run.records(1, first - 1):
+            self.add(rec)
+
+    def add(self, rec: RoundRecord) -> bool:
+        self.tokens += rec.tokens
+        if rec.heldout_loss is None:
+            return False
+        self.points.append((rec.round, self.tokens, rec.heldout_loss))
+        return True
 
 
 def _run_rounds(p: Params, run: Run, lease: RunLease, stage: str, resume_round, init_path, on_mismatch) -> dict:
     """The flow's body, run while it holds the run's writer lease."""
     logger = get_run_logger()
     if p.orchestration.executor == "process":
-        POOL.start(range(p.spes.nodes))  # no-op for processes started before the flow (stages.rounds)
-    run.ensure(settings_fingerprint(p), InitModel.load(init_path) if init_path else None, on_mismatch)
+        POOL.start(range(sync_method(p.spes).nodes))  # no-op for processes started before the flow (stages.rounds)
+    run.ensure(settings_fingerprint(p), InitModel.load(init_path) if init_path else None, on_mismatch,
+               legacy=legacy_fingerprint(p))
     first = run.resolve_start(resume_round, _local_state_checker(p, run))
+    run.check_global(first - 1)
     logger.info("run %s: starting at round %d", run.name, first)
     tokens = os.path.join(p.artifacts_dir, "tokens")
     tokens_key = None
@@ -121,20 +136,22 @@ def _run_rounds(p: Params, run: Run, lease: RunLease, stage: str, resume_round, 
     elif os.path.exists(tokens):  # nodes here read these: refuse ids the model cannot embed before round 1
         check_vocab(p.model.vocab_size, TokenData.open(tokens), tokens)
     last = p.spes.warmup_rounds if stage == "warmup" else p.spes.rounds
-    progress = create_progress_artifact(progress=0.0, key=artifact_key(run.name, "progress"),
+    progress = create_progress_artifact(progress=100.0 * (first - 1) / p.spes.rounds,
+                                        key=artifact_key(run.name, "progress"),
                                         description=f"rounds committed of {p.spes.rounds}")
+    curve = HeldOutCurve(run, first)
     rounds = []
     for r in range(first, last + 1):
         lease.check()  # never start a round (and write to the run) without the lease
-        res = round_task.with_options(task_run_name=f"round-{r}")(p, run.name, r, is_checkpoint_round(p, r, last),
+        rec = round_task.with_options(task_run_name=f"round-{r}")(p, run.name, r, checkpoint_due(p, r, last),
                                                                   tokens_key)
-        rounds.append(res)
+        rounds.append(rec.round)
         logger.info("round %d committed: contributors %s, held-out loss %s, wall %.1fs",
-                    r, res["aggregate"]["contributors"], res["heldout_loss"], res["wall_s"])
+                    r, rec.aggregate.contributors, rec.heldout_loss, rec.wall_s)
         update_progress_artifact(progress, 100.0 * r / p.spes.rounds)
-        if res["heldout_loss"] is not None:
-            create_markdown_artifact(_heldout_markdown(run, r), key=artifact_key(run.name, "heldout"),
+        if curve.add(rec):
+            create_markdown_artifact(_heldout_markdown(curve.points), key=artifact_key(run.name, "heldout"),
                                      description=f"held-out loss per round, up to round {r}")
     latest = run.latest_round()
-    return {"run": run.name, "first_round": first, "last_round": max(last, first - 1), "rounds": rounds,
-            "latest_committed": latest, "contributors_last": rounds[-1]["aggregate"]["contributors"] if rounds else None}
+    return {"run": run.name, "first_round": first, "last_round": max(last, first - 1), "rounds_run": rounds,
+            "latest_committed": latest}

@@ -127,4 +127,17 @@ class NonFiniteLoss(NodeError):
 
 
 class NodeFailed(NodeError):
-    """A node's process or job died or reported an error."""
+    """A node's process or job died or reported an error; `retryable`: whether another try can end otherwise
+    (a dead process can; a non-finite loss or a refused state cannot)."""
+
+    def __init__(self, message: str, retryable: bool = True):
+        super().__init__(message)
+        self.retryable = retryable
+
+
+def retryable(e: BaseException) -> bool:
+    """Whether the same call can succeed when tried again: our own errors say something definite, except
+    storage that did not answer and a node whose process died."""
+    if isinstance(e, NodeFailed):
+        return e.retryable
+    return not isinstance(e, SpesError) or isinstance(e, StoreUnavailable)

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 from spes.config.loader import load_params
 from spes.config.schema import Params
-from spes.errors import ConfigError
+from spes.errors import ConfigError, SpesError
+from spes.storage.atomic import write_json  # noqa: F401  (the stages write their JSON through it)
 
 
 def parse(description: str) -> tuple[argparse.Namespace, Params]:
@@ -29,13 +29,6 @@ def out_dir(p: Params, name: str) -> str:
     return d
 
 
-def write_json(path: str, obj) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
-
-
 def prefect_env_defaults() -> None:
     """Quiet, local Prefect defaults for the stages (no analytics; INFO logs)."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -43,16 +36,14 @@ def prefect_env_defaults() -> None:
 
 
 def run(main) -> None:
-    """Run a stage's main: the errors that describe bad input end the stage with one line on stderr
-    (exit 1), not a traceback."""
-    from spes.errors import CorpusError, DataError, DeviceError, HFConversionError, StorageError, UpcycleError
-
+    """Run a stage's main: any SpesError (bad input, a damaged file, storage, the round protocol) ends the
+    stage with one line on stderr naming the problem (exit 2 for settings, 1 otherwise), not a traceback."""
     name = os.path.basename(sys.argv[0]).removesuffix(".py") if sys.argv and sys.argv[0] else "stage"
     try:
         main()
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2)
-    except (DataError, DeviceError, HFConversionError, StorageError, CorpusError, UpcycleError) as e:
+    except SpesError as e:
         print(f"{name}: {type(e).__name__}: {e}", file=sys.stderr)
         raise SystemExit(1)

@@ -50,8 +50,9 @@ def run_cell(a) -> None:
     prefect_env_defaults()
     from pipelines.node_pool import POOL
     from pipelines.prefect_api import prefect_api
+    from spes.sync.methods import sync_method
 
-    POOL.start(range(vp.spes.nodes))
+    POOL.start(range(sync_method(vp.spes).nodes))
     with prefect_api():
         from pipelines.training import spes_training
 
@@ -66,19 +67,19 @@ def run_cell(a) -> None:
     records = run_.records(1, last)
     tokens, curve = 0, []
     for rec in records:
-        tokens += rec.get("tokens", 0)
-        if rec.get("heldout_loss") is not None:
-            curve.append({"round": rec["round"], "tokens": tokens, "heldout_loss": rec["heldout_loss"]})
-    rows = [n for rec in records for n in rec["nodes"] if n.get("status") == "ok"]
+        tokens += rec.tokens
+        if rec.heldout_loss is not None:
+            curve.append({"round": rec.round, "tokens": tokens, "heldout_loss": rec.heldout_loss})
+    rows = [n for rec in records for n in rec.nodes if n.ok]
     mem = node_memory(model.cfg, vp.spes, 0)
     result = {"variant": cell.variant, "seed": cell.seed, "lr": cell.lr, "budget": cell.budget, "run": cell.run_name,
               "rounds": last, "heldout_loss": ev["loss"], "heldout_se": ev["se"], "eval_tokens": ev["tokens"],
               "heldout_windows": ev["per_window"],
               "tokens": tokens, "trainable_params_per_node": mem["trainable_params"],
               "memory_bytes_per_node": mem["total_bytes"],
-              "peak_bytes_per_node": max((n.get("peak_bytes") or 0 for n in rows), default=0) or None,
-              "bytes_per_node_per_round": sum(n["bytes_up"] + n["bytes_down"] for n in rows) / max(1, len(rows)),
-              "wall_s": sum(rec["wall_s"] for rec in records), "curve": curve}
+              "peak_bytes_per_node": max((n.upload.peak_bytes or 0 for n in rows), default=0) or None,
+              "bytes_per_node_per_round": sum(n.bytes_up + n.bytes_down for n in rows) / max(1, len(rows)),
+              "wall_s": sum(rec.wall_s for rec in records), "curve": curve}
     os.makedirs(a.out, exist_ok=True)
     write_json(os.path.join(a.out, "result.json"), result)
     print(f"compare: {cell.run_name}: held-out loss {ev['loss']:.4f} (SE {ev['se']:.4f}) after {tokens} tokens")

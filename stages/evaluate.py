@@ -55,12 +55,12 @@ def main() -> None:
 
     per_round, node_rows, tokens = [], [], 0
     for rec in run.records(1, rounds[-1]):
-        tokens += rec.get("tokens", 0)
-        if rec.get("heldout_loss") is not None:
-            per_round.append({"round": rec["round"], "step": rec["aggregate"]["step"], "tokens": tokens,
-                              "heldout_loss": rec["heldout_loss"]})
-        for node, loss in rec["aggregate"].get("node_loss", {}).items():
-            node_rows.append({"round": rec["round"], "node": int(node), "train_loss": loss})
+        tokens += rec.tokens
+        if rec.heldout_loss is not None:
+            per_round.append({"round": rec.round, "step": rec.aggregate.step, "tokens": tokens,
+                              "heldout_loss": rec.heldout_loss})
+        for node, loss in sorted(rec.aggregate.node_loss.items()):
+            node_rows.append({"round": rec.round, "node": node, "train_loss": loss})
 
     hf_dir = os.path.join(d, "hf")
     export_hf(model, hf_dir, hf_tokenizer(os.path.join(p.artifacts_dir, "tokens", "tokenizer.json")))

@@ -21,11 +21,13 @@ def main() -> None:
     prefect_env_defaults()
     from pipelines.node_pool import POOL
     from pipelines.prefect_api import prefect_api
+    from spes.sync.methods import sync_method
 
     if p.orchestration.executor == "process":
-        POOL.start(range(p.spes.nodes))  # node processes start while the Prefect server does
+        POOL.start(range(sync_method(p.spes).nodes))  # node processes start while the Prefect server does
     with prefect_api():  # PREFECT_API_URL, or a local server that dies with this process
         from pipelines.training import spes_training
+        from spes.run.layout import MODEL_FILE
         from spes.run.run import Run
         from spes.storage.store import Store
 
@@ -37,20 +39,28 @@ def main() -> None:
     first, last = (1, p.spes.warmup_rounds) if stage == "warmup" else (p.spes.warmup_rounds + 1, p.spes.rounds)
     run = Run(Store.from_config(p.storage), out["run"])
     rounds = run.records(first, last)
-    summary = {"run": out["run"], "latest_committed": out["latest_committed"], "rounds": rounds,
-               "rounds_run_now": [r["round"] for r in out["rounds"]]}
-    walls = [r["wall_s"] for r in rounds]
-    computes = [r["max_node_compute_s"] for r in rounds]
-    node_rows = [n for r in rounds for n in r["nodes"] if n.get("status") == "ok"]
+    stage_last = min(out["latest_committed"], last)
+    # summary.json is a DVC out: only what the rounds computed (bit for bit the same on a rerun), no timings
+    summary = {"run": out["run"], "last_round": stage_last,
+               "global_sha256": run.store.read_manifest(run.layout.global_dir(stage_last))["files"][MODEL_FILE]["sha256"],
+               "rounds": [{"round": rec.round, "contributors": rec.aggregate.contributors,
+                           "train_loss": {n.node: n.upload.loss_mean for n in rec.nodes if n.ok},
+                           "heldout_loss": rec.heldout_loss} for rec in rounds]}
+    walls = [rec.wall_s for rec in rounds]
+    computes = [rec.max_node_compute_s for rec in rounds]
+    node_rows = [n for rec in rounds for n in rec.nodes if n.ok]
 
-    def mean(key):
-        return sum(n.get(key, 0) for n in node_rows) / len(node_rows) if node_rows else 0.0
+    def mean(values):
+        values = list(values)
+        return sum(values) / len(values) if values else 0.0
 
-    # a rerun after later rounds exist still describes this stage's rounds (storage_bytes: the run now)
-    metrics = {"last_round": min(out["latest_committed"], last), "rounds_recorded": len(rounds),
-               "round_wall_s_mean": sum(walls) / len(walls) if walls else 0.0,
+    # metrics.json (cache: false): timings and traffic; a rerun after later rounds exist still describes this
+    # stage's rounds (storage_bytes: the run now)
+    metrics = {"last_round": stage_last, "rounds_recorded": len(rounds), "rounds_run_now": out["rounds_run"],
+               "round_wall_s_mean": mean(walls), "heldout_s_mean": mean(rec.heldout_s for rec in rounds),
                "orchestration_overhead": (1 - sum(computes) / sum(walls)) if walls else 0.0,
-               "bytes_up_per_node_round": mean("bytes_up"), "bytes_down_per_node_round": mean("bytes_down"),
+               "bytes_up_per_node_round": mean(n.bytes_up for n in node_rows),
+               "bytes_down_per_node_round": mean(n.bytes_down for n in node_rows),
                "storage_bytes": run.store.size_of(run.layout.base)}
     d = out_dir(p, stage)
     write_json(os.path.join(d, "summary.json"), summary)

@@ -31,7 +31,6 @@ def main() -> None:
                                 t.bpe_sample_docs, t.eos_token, progress=sys.stderr.isatty())
         stats.update(seconds=round(time.time() - t0, 2), corpus=t.dataset or t.corpus or "python-stdlib",
                      files=corpus.files, bad_files=len(corpus.bad_files), empty_documents=corpus.empty)
-        write_json(os.path.join(work, "stats.json"), stats)
         replace_folder(work, final)  # only a complete folder replaces the old one
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -13,12 +13,25 @@ SHARED = os.path.join(os.path.dirname(ROOT), "shared")
 from spes.config.schema import ModelConfig  # noqa: E402
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=16, num_layers=2, num_heads=4, num_kv_heads=2,
-            num_experts=4, top_k=2, max_seq_len=64)
+            num_experts=4, top_k=2, max_seq_len=64, qk_norm="full", norm_topk_prob=False)
+"""OLMoE-style (q/k norm over all heads, gates not renormalized): the other style is params.yaml's default."""
 
 
 def tiny_config(**changes) -> ModelConfig:
     """The tiny MoE every unit test uses (4 experts, top-2, 2 layers, GQA), with `changes` applied."""
     return ModelConfig(**{**TINY, **changes})
+
+
+def pytest_collection_modifyitems(config, items):
+    """End-to-end tests are the ones under tests/pipelines and tests/faults; gpu tests skip without CUDA."""
+    import torch
+
+    for item in items:
+        parts = item.path.parts
+        if "pipelines" in parts or "faults" in parts:
+            item.add_marker(pytest.mark.e2e)
+        if item.get_closest_marker("gpu") and not torch.cuda.is_available():
+            item.add_marker(pytest.mark.skip(reason="no CUDA device"))
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """The house stays as built: imports point down the layers only, and no module imports itself in a cycle.
 
-    spes.errors  <  spes.config  <  spes.model | spes.data | spes.storage  <  spes.train | spes.sync | spes.eval
+    spes.errors  <  spes.config  <  spes.model | spes.data | spes.storage  <  spes.sync  <  spes.train | spes.eval
                  <  spes.run  <  spes.round  <  pipelines  <  stages
 
 A module may import from its own package and from any lower layer, never from a sibling package of its own
@@ -16,7 +16,8 @@ LAYERS = [
     ("spes.errors",),
     ("spes.config",),
     ("spes.model", "spes.data", "spes.storage"),
-    ("spes.train", "spes.sync", "spes.eval"),
+    ("spes.sync",),
+    ("spes.train", "spes.eval"),
     ("spes.run",),
     ("spes.round",),
     ("pipelines",),

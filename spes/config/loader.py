@@ -15,7 +15,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from spes.config.ownership import ownership_for
+from spes.config.ownership import Ownership
 from spes.config.schema import (
     CODECS,
     DATA_ORDERS,
@@ -83,7 +83,7 @@ def _check_training(p: Params) -> None:
     if s.method == "spes":
         _need(m.is_moe, "spes.method=spes needs an MoE model (model.num_experts > 0)")
         try:  # the same function the nodes use to find their experts
-            ownership_for(s.method, m.num_experts, s.num_nodes, s.ownership)
+            Ownership.plan(m.num_experts, s.num_nodes, s.ownership)
         except OwnershipError as e:
             key = "spes.ownership" if s.ownership is not None else "model.num_experts / spes.num_nodes"
             raise ConfigError(f"{key}: {e}") from None
@@ -230,18 +230,18 @@ def to_dict(obj: Any) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(obj), resolve=True)  # type: ignore[return-value]
 
 
-def _leaves(d: Any, prefix: str = "") -> dict[str, Any]:
+def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(d, dict) and d:
         out = {}
         for k, v in d.items():
-            out.update(_leaves(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         return out
     return {prefix.rstrip("."): d}
 
 
 def overrides_between(base: Params, other: Params) -> list[str]:
     """`key=value` for every setting in which `other` differs from `base` (what `dvc exp run -S` takes)."""
-    a, b = _leaves(to_dict(base)), _leaves(to_dict(other))
+    a, b = flatten(to_dict(base)), flatten(to_dict(other))
     return [f"{k}={yaml.safe_dump(b[k], default_flow_style=True).strip().removesuffix('...').strip()}"
             for k in sorted(b) if a.get(k) != b[k]]
 
@@ -251,7 +251,7 @@ def main() -> None:
     import shlex
 
     ap = argparse.ArgumentParser(description="Validate a params file; with --set-params print the `dvc exp run` "
-                                 "flags that turn params.yaml into it: dvc exp run $(python -m spes.config.loader "
+                                 "flags that turn params.yaml into it: dvc exp run $(python -m spes.config "
                                  "--set-params configs/spes-1b.yaml)")
     ap.add_argument("path")
     ap.add_argument("--set-params", action="store_true")

@@ -42,6 +42,16 @@ class Ownership:
         return cls(num_experts, tuple(tuple(sorted(x)) for x in lists))
 
     @classmethod
+    def plan(cls, num_experts: int, num_nodes: int, explicit: list[list[int]] | None) -> "Ownership":
+        """The initial plan of a sparse method: `explicit` lists (spes.ownership), else contiguous blocks."""
+        if explicit is None:
+            return cls.contiguous(num_experts, num_nodes)
+        own = cls.from_lists(explicit, num_experts)
+        if own.num_nodes != num_nodes:
+            raise OwnershipError(f"ownership lists {own.num_nodes} nodes but spes.num_nodes is {num_nodes}")
+        return own
+
+    @classmethod
     def everyone_owns_all(cls, num_experts: int, num_nodes: int) -> "Ownership":
         """DiLoCo/FedAvg/centralized: every node trains every expert."""
         return cls(num_experts, tuple(tuple(range(num_experts)) for _ in range(num_nodes)))
@@ -58,14 +68,3 @@ class Ownership:
             if expert in experts:
                 return node
         raise OwnershipError(f"expert {expert} has no owner")
-
-
-def ownership_for(method: str, num_experts: int, num_nodes: int, explicit: list[list[int]] | None) -> Ownership:
-    if method != "spes":
-        return Ownership.everyone_owns_all(num_experts, num_nodes)
-    if explicit is not None:
-        own = Ownership.from_lists(explicit, num_experts)
-        if own.num_nodes != num_nodes:
-            raise OwnershipError(f"ownership lists {own.num_nodes} nodes but spes.num_nodes is {num_nodes}")
-        return own
-    return Ownership.contiguous(num_experts, num_nodes)

@@ -1,5 +1,9 @@
 """The configuration schema: one dataclass per section of `params.yaml`, a docstring per field.
 
+The defaults here are the embedded default's values (params.yaml sets them explicitly too, as
+documentation; tests/spes/config/test_loader.py keeps the two equal), so a unit test that builds `Params()`
+and `dvc repro` compute the same thing.
+
 `spes/config/loader.py` reads the YAML onto this schema (unknown keys and wrong types fail there) and
 validates the cross-field invariants before any compute starts. Nothing here touches the filesystem.
 """
@@ -49,9 +53,9 @@ class ModelConfig:
     num_experts: int = 8
     """0 = dense model (plain SwiGLU MLP in every layer)."""
     top_k: int = 2
-    norm_topk_prob: bool = False
+    norm_topk_prob: bool = True
     """Renormalize the top-k gate probabilities to sum to 1 (OLMoE: False, Qwen3-MoE: True)."""
-    qk_norm: str = "full"
+    qk_norm: str = "head"
     """'full': RMSNorm over all heads (OLMoE); 'head': per-head RMSNorm (Qwen3); 'none' (Llama)."""
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
@@ -171,7 +175,7 @@ class MergeConfig:
     """Expert-merging warm-up, applied by the aggregator at sync steps."""
 
     enabled: bool = True
-    interval: int = 40
+    interval: int = 50
     """Merge at sync steps where step % interval == 0."""
     alpha_start: float = 0.05
     decay_steps: int = 200
@@ -187,10 +191,10 @@ class SpesConfig:
     num_nodes: int = 2
     ownership: Optional[list[list[int]]] = None
     """Explicit expert ids per node; None = contiguous blocks."""
-    sync_steps: int = 20
-    warmup_rounds: int = 5
+    sync_steps: int = 50
+    warmup_rounds: int = 4
     """Rounds run by the `warmup` stage (merging on); the `train` stage runs the rest."""
-    rounds: int = 12
+    rounds: int = 10
     """Total sync rounds."""
     batch_size: int = 8
     """Sequences per optimizer step on each node (split over its ranks and micro-batches)."""
@@ -217,23 +221,12 @@ class SpesConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     outer_nesterov: bool = True
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=0.002, warmup_steps=10))
     merge: MergeConfig = field(default_factory=MergeConfig)
 
     @property
     def total_steps(self) -> int:
         return self.rounds * self.sync_steps
-
-    @property
-    def nodes(self) -> int:
-        """Nodes that actually train: one for 'centralized', num_nodes otherwise."""
-        return 1 if self.method == "centralized" else self.num_nodes
-
-    @property
-    def node_batch_size(self) -> int:
-        """Sequences per optimizer step on each training node: 'centralized' is the num_nodes-node run it
-        is compared with, done by one node with num_nodes x batch_size (same tokens per step and in total)."""
-        return self.batch_size * self.num_nodes if self.method == "centralized" else self.batch_size
 
 
 @dataclass
@@ -270,7 +263,7 @@ class StorageConfig:
     """Connect and read timeout of one storage call (S3); a call that hangs longer is retried."""
     retries: int = 4
     """Retries of a failed storage call (exponential backoff from 0.5 s, each logged), then the call fails."""
-    keep_rounds: Optional[int] = 3
+    keep_rounds: Optional[int] = 2
     """Keep the last K rounds whole (their deltas refer to the round's node uploads); older rounds keep only
     their record, except round 0 and the rounds a resume can start from from shared storage, which keep
     their global and the node states they need. None = keep everything."""
@@ -314,7 +307,7 @@ class EvalConfig:
     every_rounds: int = 1
     """Held-out loss of the committed global every this many rounds (0 = never), on the first
     `round_batches` batches: shown in the round's Prefect table and stored in its record."""
-    round_batches: int = 4
+    round_batches: int = 16
     lm_eval_tasks: list[str] = field(default_factory=list)
     """lm-eval task names (or names defined in `lm_eval_include`); empty = skip."""
     lm_eval_include: Optional[str] = None

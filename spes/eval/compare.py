@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from spes.config.loader import params_from_dict, to_dict
 from spes.config.schema import Params, check_name
 from spes.errors import ConfigError
+from spes.sync.methods import sync_method
 
 FIXED_PREFIXES = ("tokenize.", "init.", "dense.", "storage.", "artifacts_dir", "orchestration.run_name", "compare.",
                   "eval.")
@@ -28,7 +29,8 @@ MODEL_MATH_KEYS = ("lb_loss_coef", "z_loss_coef", "z_loss_reduction", "lm_head_z
 
 def run_tokens(p: Params) -> int:
     s = p.spes
-    return s.nodes * s.node_batch_size * s.seq_len * s.sync_steps * s.rounds
+    m = sync_method(s)
+    return m.nodes * m.node_batch_size * s.seq_len * s.sync_steps * s.rounds
 
 
 @dataclass(frozen=True)

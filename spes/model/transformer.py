@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from spes.config.schema import ModelConfig
 from spes.model.losses import grouped_load_balance_loss, load_balance_loss, router_z_loss
 from spes.model.moe import MoE
+from spes.model.names import canonical_shapes, expert_tensor, is_chunk_param
 
 
 class RMSNorm(nn.Module):
@@ -198,13 +199,12 @@ class CausalLM(nn.Module):
     def canonical_state_dict(self) -> dict[str, torch.Tensor]:
         sd: dict[str, torch.Tensor] = {}
         for name, p in self.named_parameters():
-            if ".mlp.experts.chunks." not in name:
+            if not is_chunk_param(name):
                 sd[name] = p.detach()
         for i, layer in enumerate(self.model.layers):
             if isinstance(layer.mlp, MoE):
                 gate_up, down = layer.mlp.experts.full_weights()
-                sd[f"model.layers.{i}.mlp.experts.gate_up_proj"] = gate_up
-                sd[f"model.layers.{i}.mlp.experts.down_proj"] = down
+                sd[expert_tensor(i, "gate_up_proj")], sd[expert_tensor(i, "down_proj")] = gate_up, down
         if self.cfg.tie_embeddings:
             sd.pop("lm_head.weight", None)
         return sd
@@ -225,33 +225,4 @@ class CausalLM(nn.Module):
                 params[name].copy_(t)
         for i, layer in enumerate(self.model.layers):
             if isinstance(layer.mlp, MoE):
-                layer.mlp.experts.load_full(sd[f"model.layers.{i}.mlp.experts.gate_up_proj"],
-                                            sd[f"model.layers.{i}.mlp.experts.down_proj"])
-
-
-def canonical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of the canonical state dict of a model with this config (no model is built)."""
-    D, V, hd = cfg.hidden_size, cfg.vocab_size, cfg.dim_per_head
-    H, Hkv, I, E = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.num_experts
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
-    if not cfg.tie_embeddings:
-        shapes["lm_head.weight"] = (V, D)
-    norm_dims = {"full": (H * hd, Hkv * hd), "head": (hd, hd)}.get(cfg.qk_norm)
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
-                       p + "self_attn.q_proj.weight": (H * hd, D), p + "self_attn.k_proj.weight": (Hkv * hd, D),
-                       p + "self_attn.v_proj.weight": (Hkv * hd, D), p + "self_attn.o_proj.weight": (D, H * hd)})
-        if norm_dims:
-            shapes[p + "self_attn.q_norm.weight"], shapes[p + "self_attn.k_norm.weight"] = (norm_dims[0],), (norm_dims[1],)
-        if cfg.is_moe:
-            shapes.update({p + "mlp.gate.weight": (E, D), p + "mlp.experts.gate_up_proj": (E, 2 * I, D),
-                           p + "mlp.experts.down_proj": (E, D, I)})
-        else:
-            shapes.update({p + "mlp.gate_proj.weight": (I, D), p + "mlp.up_proj.weight": (I, D),
-                           p + "mlp.down_proj.weight": (D, I)})
-    return shapes
-
-
-def is_expert_param(canonical_name: str) -> bool:
-    return ".mlp.experts." in canonical_name
+                layer.mlp.experts.load_full(sd[expert_tensor(i, "gate_up_proj")], sd[expert_tensor(i, "down_proj")])

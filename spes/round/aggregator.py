@@ -20,10 +20,19 @@ from typing import Optional
 
 import torch
 
-from spes.config.ownership import ownership_for
 from spes.config.schema import Params
-from spes.errors import IntegrityError, NotCommitted, QuorumError, StorageError, UploadsRejected
+from spes.errors import (
+    IntegrityError,
+    NotCommitted,
+    QuorumError,
+    RecordError,
+    StorageError,
+    UploadsRejected,
+)
+from spes.model.names import EXPERT_TENSORS, expert_kind
 from spes.run.layout import MODEL_FILE, OUTER_FILE, RESIDUAL_FILE, RunLayout
+from spes.run.records import DeltaMeta, ExpertRef, GlobalMeta, UploadMeta
+from spes.run.run import Run, next_index
 from spes.storage.store import BundleWriter, Store
 from spes.sync.codecs import make_codec
 from spes.sync.deltas import (
@@ -34,11 +43,10 @@ from spes.sync.deltas import (
     encode_with_feedback,
     encoded_specs,
     experts_file,
-    is_averaged,
     read_parts,
 )
-from spes.sync.merging import merge_alpha, merge_due, merge_layer
-from spes.sync.methods import global_change, node_weights
+from spes.sync.merging import merge_layer
+from spes.sync.methods import node_weights, sync_method
 
 log = logging.getLogger("spes.round.aggregator")
 
@@ -46,21 +54,6 @@ log = logging.getLogger("spes.round.aggregator")
 class _BadUpload(Exception):
     def __init__(self, node: int, msg: str):
         self.node, self.msg = node, msg
-
-
-class _HeldGlobal:
-    """The last global this process committed: (store url, run, round, sha256) -> tensors."""
-
-    key: Optional[tuple] = None
-    tensors: Optional[dict] = None
-
-    @classmethod
-    def get(cls, key: tuple) -> Optional[dict]:
-        return cls.tensors if cls.key == key else None
-
-    @classmethod
-    def put(cls, key: Optional[tuple], tensors: Optional[dict]) -> None:
-        cls.key, cls.tensors = key, tensors
 
 
 class _Cached:
@@ -78,34 +71,33 @@ def _shapes(entry: dict) -> dict[str, tuple[int, ...]]:
     return {n: tuple(t["shape"]) for n, t in entry["tensors"].items()}
 
 
-def _check_upload(manifest: dict, r: int, node: int, base_sha: str, codec: str) -> Optional[str]:
-    m = manifest["meta"]
-    if m.get("round") != r or m.get("node") != node:
-        return f"upload says round {m.get('round')} node {m.get('node')}"
-    if m.get("base_sha256") != base_sha:
-        return (f"its delta is against global {m.get('base_round')} ({str(m.get('base_sha256'))[:12]}), not the "
-                f"committed global {r - 1} ({base_sha[:12]})")
-    if m.get("codec") != codec:
-        return f"codec {m.get('codec')!r}, the run uses {codec!r}"
+def _check_upload(m: UploadMeta, r: int, node: int, base_sha: str, codec: str) -> Optional[str]:
+    if m.round != r or m.node != node:
+        return f"upload says round {m.round} node {m.node}"
+    if m.base_sha256 != base_sha:
+        return (f"its delta is against global {m.base_round} ({m.base_sha256[:12]}), not the committed global "
+                f"{r - 1} ({base_sha[:12]})")
+    if m.codec != codec:
+        return f"codec {m.codec!r}, the run uses {codec!r}"
     return None
 
 
 class _Round:
     """One attempt at aggregating round r from a set of contributors."""
 
-    def __init__(self, p: Params, store: Store, layout: RunLayout, r: int, prev: dict, uploads: dict[int, dict]):
+    def __init__(self, p: Params, store: Store, layout: RunLayout, r: int, prev: dict, prev_meta: GlobalMeta,
+                 uploads: dict[int, dict], held: Optional[dict]):
         s = p.spes
         self.p, self.s, self.store, self.layout, self.r = p, s, store, layout, r
+        self.method = sync_method(s)
         self.codec = make_codec(p.sync.codec, p.sync.int8_block)
-        self.prev, self.uploads = prev, uploads
+        self.prev, self.uploads, self.held = prev, uploads, held
         self.nodes = sorted(uploads)
         self.weights = node_weights([uploads[i]["meta"]["tokens"] for i in self.nodes], s.token_weighted)
-        cfg = prev["meta"]["model_config"]
-        self.own = ownership_for(s.method, cfg["num_experts"], s.nodes, s.ownership) if cfg["num_experts"] else None
-        step = r * s.sync_steps
-        alpha = merge_alpha(step, s.merge.alpha_start, s.merge.decay_steps)
-        self.merging = s.method == "spes" and s.merge.enabled and cfg["num_experts"] > 0 and merge_due(step, s.merge.interval, alpha)
-        self.alpha = alpha if self.merging else 0.0
+        num_experts = prev_meta.model_config["num_experts"]
+        self.own = self.method.ownership(num_experts) if num_experts else None
+        self.alpha = self.method.merge_alpha(r * s.sync_steps, num_experts)
+        self.merging = self.alpha > 0
         self.shapes = _shapes(prev["files"][MODEL_FILE])
         self.feedback = p.sync.error_feedback and not self.codec.exact
 
@@ -115,17 +107,16 @@ class _Round:
     def run(self) -> tuple[BundleWriter, BundleWriter, dict[str, list[int]]]:
         """Write the delta and global bundles (uncommitted); returns their writers and the expert files."""
         prev_files = self.prev["files"]
-        averaged = {n: sh for n, sh in self.shapes.items() if is_averaged(self.s.method, n)}
+        averaged = {n: sh for n, sh in self.shapes.items() if self.method.is_averaged(n)}
         expert_names = {n: sh for n, sh in self.shapes.items() if n not in averaged}
-        owners = [j for j in range(self.s.nodes) if self.merging or j in self.uploads] if expert_names else []
+        owners = [j for j in range(self.method.nodes) if self.merging or j in self.uploads] if expert_names else []
         self.new_model: dict[str, torch.Tensor] = {}
         delta = BundleWriter(self.store, self.layout.delta_dir(self.r))
         glob = BundleWriter(self.store, self.layout.global_dir(self.r))
-        outer_momentum = self.s.method == "diloco" and self.s.outer_momentum > 0
+        outer_momentum = self.method.keeps_outer_state
         with contextlib.ExitStack() as st:
             rd = lambda rel, f, e: st.enter_context(self.store.open_reader(rel, f, e))  # noqa: E731
-            held = _HeldGlobal.get((self.store.url, self.layout.run, self.r - 1, prev_files[MODEL_FILE]["sha256"]))
-            prev_model = _Cached(held) if held is not None else \
+            prev_model = _Cached(self.held) if self.held is not None else \
                 rd(self.layout.global_dir(self.r - 1), MODEL_FILE, prev_files[MODEL_FILE])
             prev_outer = rd(self.layout.global_dir(self.r - 1), OUTER_FILE, prev_files[OUTER_FILE]) \
                 if OUTER_FILE in prev_files else None
@@ -151,7 +142,7 @@ class _Round:
                     k += 1
                 else:
                     group = names[k:k + 2] if self.merging else [name]  # a layer's down_proj, gate_up_proj
-                    if self.merging and [g.rsplit(".", 1)[-1] for g in group] != ["down_proj", "gate_up_proj"]:
+                    if self.merging and [expert_kind(g) for g in group] != list(EXPERT_TENSORS):
                         raise StorageError(f"merging: expected a layer's down_proj and gate_up_proj, got {group}")
                     self._experts(group, prev_model, experts_in, w_model, w_experts)
                     k += len(group)
@@ -159,11 +150,11 @@ class _Round:
                 self._finish(i, rdr)
         expert_files = {}
         for j in owners:
-            ref = {"rows": self.rows(j)}
+            ref = ExpertRef(rows=self.rows(j))
             if not self.merging:  # the owner's upload is the delta of its rows: refer to it, copy nothing
                 entry = self.uploads[j]["files"][EXPERTS_FILE]
-                ref.update(source=self.layout.node_dir(self.r, j), file=EXPERTS_FILE, sha256=entry["sha256"],
-                           bytes=entry["bytes"])
+                ref = ExpertRef(self.rows(j), self.layout.node_dir(self.r, j), EXPERTS_FILE, entry["sha256"],
+                                entry["bytes"])
             expert_files[experts_file(j)] = ref
         return delta, glob, expert_files
 
@@ -179,9 +170,15 @@ class _Round:
 
     def _read(self, i: int, rdr, name: str, shape):
         try:
-            return read_parts(rdr, self.codec, name, shape)
+            parts = read_parts(rdr, self.codec, name, shape)
         except IntegrityError as e:
             raise _BadUpload(i, str(e)) from None
+        for part, dtype, want in self.codec.encoded_specs(name, shape):  # bytes that verify can still be wrong
+            t = parts[part]
+            if t.dtype != dtype or tuple(t.shape) != tuple(want):
+                raise _BadUpload(i, f"{rdr.where}: {part} is {t.dtype} {tuple(t.shape)}, the {self.codec.name} "
+                                    f"codec expects {dtype} {tuple(want)}")
+        return parts
 
     def _finish(self, i: int, rdr) -> None:
         try:
@@ -194,8 +191,7 @@ class _Round:
         prev_t = prev_model.read(name)
         deltas = [self.codec.decode(name, self._read(i, shared_in[i], name, shape), shape) for i in self.nodes]
         buf = prev_outer.read(name) if prev_outer is not None else None
-        change, new_buf = global_change(self.s.method, deltas, self.weights, buf, outer_lr=self.s.outer_lr,
-                                        outer_momentum=self.s.outer_momentum, outer_nesterov=self.s.outer_nesterov)
+        change, new_buf = self.method.global_change(deltas, self.weights, buf)
         residual = {name: prev_res.read(name)} if prev_res is not None else None
         parts, new_res = encode_with_feedback(self.codec, name, change, residual, self.feedback)
         for part in sorted(parts):
@@ -216,8 +212,8 @@ class _Round:
         if self.merging:
             target = {n: add_decoded_rows(prevs[n], [(self.rows(i), up[n][i]) for i in self.nodes], self.codec, n)
                       for n in group}
-            merged = merge_layer({k.rsplit(".", 1)[-1]: v for k, v in target.items()}, self.alpha, self.s.merge.top_k)
-            merged = {n: merged[n.rsplit(".", 1)[-1]] for n in group}
+            merged = merge_layer({expert_kind(k): v for k, v in target.items()}, self.alpha, self.s.merge.top_k)
+            merged = {n: merged[expert_kind(n)] for n in group}
             send = {n: {j: self.codec.encode(n, (merged[n] - prevs[n])[self.rows(j)]) for j in w_experts} for n in group}
         else:
             send = up
@@ -233,13 +229,6 @@ class _Round:
         self.new_model[name] = t
 
 
-def hold_global(store: Store, run: str, r: int) -> None:
-    """Load committed global r as the aggregator's previous global, as a flow holds it after committing r
-    (its first round after a start reads it from storage instead)."""
-    b = store.read_bundle(RunLayout(run).global_dir(r), [MODEL_FILE])
-    _HeldGlobal.put((store.url, run, r, b.manifest["files"][MODEL_FILE]["sha256"]), dict(b.files[MODEL_FILE]))
-
-
 @contextlib.contextmanager
 def _one_torch_thread():
     """Aggregation is memory-bound elementwise work; the other cores are better spent on the sha256 helper
@@ -252,72 +241,103 @@ def _one_torch_thread():
         torch.set_num_threads(n)
 
 
-def _quarantine(store: Store, layout: RunLayout, r: int, node: int, why: str) -> None:
-    dest = layout.rejected_dir(r, node, time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6])
-    log.error("round %d: upload of node %d rejected (%s); moved to %s", r, node, why, dest)
-    store.move(layout.node_dir(r, node), dest)
+class Aggregator:
+    """Aggregates the rounds of one run, holding the global it committed last (one model in memory), so the
+    next round need not read it back; its first round after a start reads global r-1 from storage."""
+
+    def __init__(self, p: Params, store: Store, run: str):
+        self.p, self.store, self.run, self.layout = p, store, run, RunLayout(run)
+        self._held: Optional[tuple[tuple[int, str], dict]] = None  # ((round, sha256), tensors)
+
+    def hold(self, r: int) -> None:
+        """Load committed global r as the previous global, as after committing r (benchmarks time a warm round)."""
+        b = self.store.read_bundle(self.layout.global_dir(r), [MODEL_FILE])
+        self._held = ((r, b.manifest["files"][MODEL_FILE]["sha256"]), dict(b.files[MODEL_FILE]))
+
+    def _take_held(self, r: int, sha: str) -> Optional[dict]:
+        held, self._held = self._held, None  # consumed by the attempt: a failed one reads from storage next
+        return held[1] if held is not None and held[0] == (r, sha) else None
+
+    def _quarantine(self, r: int, node: int, why: str) -> None:
+        dest = self.layout.rejected_dir(r, node, time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6])
+        log.error("round %d: upload of node %d rejected (%s); moved to %s", r, node, why, dest)
+        self.store.move(self.layout.node_dir(r, node), dest)
+
+    def _uploads(self, r: int, base_sha: str, rejected: dict[int, str]) -> dict[int, dict]:
+        """The committed uploads of round r that fit (the others go to `rejected` with the reason)."""
+        uploads = {}
+        for i in range(sync_method(self.p.spes).nodes):
+            rel = self.layout.node_dir(r, i)
+            try:
+                m = self.store.read_manifest(rel)
+                why = _check_upload(UploadMeta.from_json(m["meta"], f"{self.store.url}/{rel}"), r, i, base_sha,
+                                    self.p.sync.codec)
+            except NotCommitted:
+                continue
+            except (IntegrityError, RecordError) as e:
+                rejected[i] = str(e)
+                continue
+            if why:
+                rejected[i] = f"{self.store.url}/{rel}: {why}"
+            else:
+                uploads[i] = m
+        return uploads
+
+    def aggregate(self, r: int, min_nodes: Optional[int] = None, rerun_rejected: bool = False) -> GlobalMeta:
+        """Combine the committed node uploads of round r into delta r and global r (with merging when due).
+        Uploads that fail verification are moved aside; with `rerun_rejected` this raises UploadsRejected
+        (the caller re-runs those nodes), else they are left out under the quorum."""
+        p, store, layout = self.p, self.store, self.layout
+        s, method = p.spes, sync_method(p.spes)
+        if store.is_committed(layout.global_dir(r)):
+            return GlobalMeta.from_json(store.read_manifest(layout.global_dir(r))["meta"],
+                                        f"{store.url}/{layout.global_dir(r)}")
+        t0 = time.perf_counter()
+        store.remove(layout.delta_dir(r))  # a delta of a global that was never committed (crash in between)
+        prev_rel = layout.global_dir(r - 1)
+        prev = store.read_manifest(prev_rel)
+        prev_meta = GlobalMeta.from_json(prev["meta"], f"{store.url}/{prev_rel}")
+        base_sha = prev["files"][MODEL_FILE]["sha256"]
+        need = min(min_nodes if min_nodes is not None else method.nodes, method.nodes)
+        rejected: dict[int, str] = {}
+        uploads = self._uploads(r, base_sha, rejected)
+        while True:
+            for i in list(rejected):
+                if i in uploads or store.exists(layout.node_dir(r, i)):
+                    uploads.pop(i, None)
+                    self._quarantine(r, i, rejected[i])
+            if rejected and rerun_rejected:
+                raise UploadsRejected(rejected)
+            if len(uploads) < need:
+                raise QuorumError(f"round {r}: only nodes {sorted(uploads)} committed"
+                                  + (f" ({len(rejected)} rejected)" if rejected else "")
+                                  + f", quorum is {need} of {method.nodes}")
+            attempt = _Round(p, store, layout, r, prev, prev_meta, uploads, self._take_held(r - 1, base_sha))
+            try:
+                with _one_torch_thread():
+                    delta, glob, expert_files = attempt.run()
+                break
+            except _BadUpload as e:
+                rejected[e.node] = e.msg
+        new_sha = glob.entries[MODEL_FILE]["sha256"]
+        states = dict(prev_meta.node_states)
+        for i in uploads:
+            states[i] = UploadMeta.from_json(uploads[i]["meta"], layout.node_dir(r, i)).state
+        delta.commit(DeltaMeta(round=r, base_round=r - 1, base_sha256=base_sha, global_sha256=new_sha,
+                               codec=p.sync.codec, expert_files=expert_files, merged=attempt.merging).to_json())
+        meta = GlobalMeta(
+            round=r, step=r * s.sync_steps, method=method.name, model_config=prev_meta.model_config,
+            contributors=sorted(uploads), missing=[i for i in range(method.nodes) if i not in uploads],
+            rejected=rejected, merge_alpha=attempt.alpha, merged=attempt.merging,
+            node_loss={i: uploads[i]["meta"]["loss_mean"] for i in uploads}, node_states=states,
+            codec=p.sync.codec, seconds_aggregate=time.perf_counter() - t0,
+            index=next_index(prev_meta.index or Run(store, self.run).index(r - 1), r, states))
+        glob.commit(meta.to_json())
+        self._held = ((r, new_sha), attempt.new_model)
+        return meta
 
 
 def aggregate_round(p: Params, store: Store, run: str, r: int, min_nodes: Optional[int] = None,
-                    rerun_rejected: bool = False) -> dict:
-    """Combine the committed node uploads of round r into delta r and global r (with merging when due)."""
-    s, layout = p.spes, RunLayout(run)
-    if store.is_committed(layout.global_dir(r)):
-        return store.read_manifest(layout.global_dir(r))["meta"]
-    t0 = time.perf_counter()
-    store.remove(layout.delta_dir(r))  # a delta of a global that was never committed (crash in between)
-    prev = store.read_manifest(layout.global_dir(r - 1))
-    base_sha = prev["files"][MODEL_FILE]["sha256"]
-    need = min(min_nodes if min_nodes is not None else s.nodes, s.nodes)
-    rejected: dict[int, str] = {}
-    uploads: dict[int, dict] = {}
-    for i in range(s.nodes):
-        try:
-            m = store.read_manifest(layout.node_dir(r, i))
-        except NotCommitted:
-            continue
-        except IntegrityError as e:
-            rejected[i] = str(e)
-            continue
-        why = _check_upload(m, r, i, base_sha, p.sync.codec)
-        if why:
-            rejected[i] = f"{store.url}/{layout.node_dir(r, i)}: {why}"
-        else:
-            uploads[i] = m
-    while True:
-        for i in list(rejected):
-            if i in uploads or store.exists(layout.node_dir(r, i)):
-                uploads.pop(i, None)
-                _quarantine(store, layout, r, i, rejected[i])
-        if rejected and rerun_rejected:
-            raise UploadsRejected(rejected)
-        if len(uploads) < need:
-            raise QuorumError(f"round {r}: only nodes {sorted(uploads)} committed"
-                              + (f" ({len(rejected)} rejected)" if rejected else "")
-                              + f", quorum is {need} of {s.nodes}")
-        try:
-            attempt = _Round(p, store, layout, r, prev, uploads)
-            with _one_torch_thread():
-                delta, glob, expert_files = attempt.run()
-            break
-        except _BadUpload as e:
-            rejected[e.node] = e.msg
-            _HeldGlobal.put(None, None)  # partly consumed: the next attempt reads global r-1 from storage
-        except BaseException:
-            _HeldGlobal.put(None, None)
-            raise
-    new_sha = glob.entries[MODEL_FILE]["sha256"]
-    states = dict(prev["meta"].get("node_states", {}))
-    for i in uploads:
-        states[str(i)] = uploads[i]["meta"]["state"]
-    merged, step = attempt.merging, r * s.sync_steps
-    delta.commit({"round": r, "base_round": r - 1, "base_sha256": base_sha, "global_sha256": new_sha,
-                  "codec": p.sync.codec, "expert_files": expert_files, "merged": merged})
-    meta = {"round": r, "step": step, "method": s.method, "model_config": prev["meta"]["model_config"],
-            "contributors": sorted(uploads), "missing": [i for i in range(s.nodes) if i not in uploads],
-            "rejected": {str(i): m for i, m in rejected.items()}, "merge_alpha": attempt.alpha,
-            "merged": merged, "node_loss": {str(i): uploads[i]["meta"]["loss_mean"] for i in uploads},
-            "node_states": states, "codec": p.sync.codec, "seconds_aggregate": time.perf_counter() - t0}
-    glob.commit(meta)
-    _HeldGlobal.put((store.url, run, r, new_sha), attempt.new_model)
-    return meta
+                    rerun_rejected: bool = False) -> GlobalMeta:
+    """One round's aggregation without a held global (tests, scripts): reads global r-1 from storage."""
+    return Aggregator(p, store, run).aggregate(r, min_nodes, rerun_rejected)

@@ -9,14 +9,20 @@ from typing import Optional
 import torch
 from safetensors.torch import load as st_load
 
-from spes.errors import IntegrityError, NotCommitted
+from spes.errors import IntegrityError, NotCommitted, RecordError
 from spes.run.layout import MODEL_FILE, RunLayout
+from spes.run.records import DeltaMeta
 from spes.storage.store import Store
 from spes.storage.tensorio import tensors_sha256
 from spes.sync.codecs import Codec
 from spes.sync.deltas import apply_delta
+from spes.sync.methods import SyncMethod
 
 log = logging.getLogger("spes.round.fetch")
+
+
+def delta_meta(store: Store, layout: RunLayout, q: int, dm: dict) -> DeltaMeta:
+    return DeltaMeta.from_json(dm["meta"], f"{store.url}/{layout.delta_dir(q)}")
 
 
 def delta_files(store: Store, layout: RunLayout, q: int, dm: dict, local_files: Optional[dict] = None) -> dict:
@@ -29,17 +35,17 @@ def delta_files(store: Store, layout: RunLayout, q: int, dm: dict, local_files: 
 
     files = {f: local_files[f][1] for f, e in dm["files"].items() if held(f, e["sha256"])}
     files.update(store.read_bundle(layout.delta_dir(q), [f for f in dm["files"] if f not in files], dm).files)
-    for fname, ref in dm["meta"]["expert_files"].items():
-        if "source" not in ref:
+    for fname, ref in delta_meta(store, layout, q, dm).expert_files.items():
+        if ref.source is None:
             continue
-        if held(fname, ref["sha256"]):
+        if held(fname, ref.sha256):
             files[fname] = local_files[fname][1]
         else:
-            files[fname] = st_load(store.read_verified(ref["source"], ref["file"], ref))
+            files[fname] = st_load(store.read_verified(ref.source, ref.file, {"sha256": ref.sha256, "bytes": ref.bytes}))
     return files
 
 
-def fetch_global(store: Store, layout: RunLayout, r: int, manifest: dict, codec: Codec, method: str, base, load_base,
+def fetch_global(store: Store, layout: RunLayout, r: int, manifest: dict, codec: Codec, method: SyncMethod, base, load_base,
                  local_files: Optional[dict[str, tuple[str, dict]]] = None) -> tuple[dict[str, torch.Tensor], str]:
     """Global round r for a node holding `base` = (round, sha256) (loaded by `load_base()`): rebuilt from the
     delta bundles since its base (each step checked against the committed sha256), or the whole committed
@@ -52,20 +58,24 @@ def fetch_global(store: Store, layout: RunLayout, r: int, manifest: dict, codec:
         for q in range(k + 1, r + 1):
             try:
                 dm = store.read_manifest(layout.delta_dir(q))
+                meta = delta_meta(store, layout, q, dm)
             except NotCommitted:
                 break
-            if dm["meta"]["base_sha256"] != sha:
+            except (IntegrityError, RecordError) as e:  # a damaged delta: the committed global is the truth
+                log.warning("delta %d unusable (%s); downloading global %d whole", q, e, r)
+                break
+            if meta.base_sha256 != sha:
                 break
             try:
                 files = delta_files(store, layout, q, dm, local_files)
-            except (IntegrityError, NotCommitted) as e:  # e.g. an upload it refers to was pruned meanwhile
+            except (IntegrityError, NotCommitted, RecordError) as e:  # e.g. an upload it refers to was pruned meanwhile
                 log.warning("delta %d unusable (%s); downloading global %d whole", q, e, r)
                 break
-            tensors = apply_delta(tensors, codec, method, files, dm["meta"]["expert_files"])
+            tensors = apply_delta(tensors, codec, method, files, {f: ref.rows for f, ref in meta.expert_files.items()})
             sha = tensors_sha256(tensors)
-            if sha != dm["meta"]["global_sha256"]:
+            if sha != meta.global_sha256:
                 log.warning("rebuilt global %d differs from the committed one (%s != %s); downloading it whole",
-                            q, sha[:12], dm["meta"]["global_sha256"][:12])
+                            q, sha[:12], meta.global_sha256[:12])
                 break
         else:
             if sha == want:

@@ -1,7 +1,8 @@
-"""One node's part of a sync round, as a library call (no orchestration):
+"""One node's part of a sync round, as a library call (no orchestration), in three steps:
 
-  global r-1 (rebuilt from deltas, or downloaded)  +  the node's state the global was built with
-    -> sync_steps local steps  ->  encoded delta upload (committed)  +  the node's state after round r
+  read_inputs  global r-1 (rebuilt from deltas, or downloaded) + the node's state the global was built with
+  train        sync_steps local steps (every rank of the node)
+  commit       encoded delta upload (committed) + the node's state after round r
 
 The node's state stays on its machine (spes/run/node_state.py) and goes to shared storage only at checkpoint
 rounds, before the upload is committed (so a committed upload implies its checkpoint exists). Every byte
@@ -19,18 +20,20 @@ import torch
 
 from spes.config.schema import ModelConfig, Params
 from spes.data.tokens import BatchStream, TokenData
-from spes.errors import NonFiniteLoss, StorageError
+from spes.errors import NonFiniteLoss, ProtocolError, StorageError
 from spes.model.transformer import CausalLM
 from spes.round.fetch import fetch_global
 from spes.run.layout import RunLayout
 from spes.run.node_state import NodeState, NodeStateDir
+from spes.run.records import GlobalMeta, NodeReport, StateRef, UploadMeta
 from spes.run.run import Run
 from spes.storage.store import BundleWriter, Store
 from spes.sync.codecs import make_codec
 from spes.sync.deltas import EXPERTS_FILE, encode_upload, experts_file
+from spes.sync.methods import sync_method
 from spes.train.devices import resolve_device
 from spes.train.distributed import broadcast_object, broadcast_tensors, rank_and_size
-from spes.train.trainer import build_node_trainer
+from spes.train.trainer import NodeTrainer, build_node_trainer
 
 
 def node_seed(seed: int, node: int, r: int) -> int:
@@ -48,10 +51,19 @@ def last_checkpoint_round(r: int, every: int) -> int:
     return r - r % every
 
 
-def node_meta(manifest: dict) -> dict:
+def node_report(manifest: dict, where: str, seconds_save: float = 0.0) -> NodeReport:
     """What a node reports for a committed upload: its meta, plus every byte it wrote for it."""
+    upload = UploadMeta.from_json(manifest["meta"], where)
     mbytes = len(json.dumps(manifest, indent=1, sort_keys=True).encode()) + 64  # manifest + COMMIT
-    return {**manifest["meta"], "bytes_up": manifest["meta"]["bytes_up_files"] + mbytes}
+    return NodeReport(upload.node, "ok", upload, upload.bytes_up_files + mbytes, seconds_save)
+
+
+def committed_report(store: Store, run: str, r: int, node: int) -> Optional[NodeReport]:
+    """The node's report for round r if its upload is committed (a retry after it finished), else None."""
+    rel = RunLayout(run).node_dir(r, node)
+    if not store.is_committed(rel):
+        return None
+    return node_report(store.read_manifest(rel), f"{store.url}/{rel}")
 
 
 def _check_finite(losses: list[float], first_step: int, node: int, r: int, trained: dict) -> None:
@@ -73,30 +85,32 @@ class RoundInputs:
     prev_sha: str
     model_config: dict
     state: Optional[NodeState]
-    ref: Optional[dict]
+    ref: Optional[StateRef]
     local: NodeStateDir
 
 
-def _round_inputs(p: Params, store: Store, run: str, r: int, node: int) -> RoundInputs:
+def read_inputs(p: Params, store: Store, run: str, r: int, node: int) -> RoundInputs:
+    """Rank 0: global r-1 (rebuilt from the deltas since the global held here, or downloaded) and the node's
+    state that global was built with (from this machine, or the checkpoint on shared storage)."""
     layout = RunLayout(run)
     info = Run(store, run).info()
     if info is None:
-        raise StorageError(f"run {run!r} has no info on {store.url}")
+        raise ProtocolError(f"run {run!r} has no info on {store.url}")
     local = NodeStateDir(node_state_root(p), store.url, run, info["run_id"], node)
     prev_manifest = store.read_manifest(layout.global_dir(r - 1))
-    prev_meta = prev_manifest["meta"]
-    ref = prev_meta.get("node_states", {}).get(str(node))
-    local.discard_after(int(ref["round"]) if ref else 0)
-    state = local.load_state(ref, store, layout.state_dir(int(ref["round"]), node)) if ref else None
+    prev_meta = GlobalMeta.from_json(prev_manifest["meta"], f"{store.url}/{layout.global_dir(r - 1)}")
+    ref = prev_meta.node_states.get(node)
+    local.discard_after(ref.round if ref else 0)
+    state = local.load_state(ref, store, layout.state_dir(ref.round, node)) if ref else None
     codec = make_codec(p.sync.codec, p.sync.int8_block)
     # its own experts' rows in the delta are the bytes it uploaded last: no need to download them back
     own_cached = {experts_file(node): (state.experts_sha256, state.experts_upload)} \
         if state is not None and state.experts_upload else None
-    prev, prev_sha = fetch_global(store, layout, r - 1, prev_manifest, codec, p.spes.method, local.base(),
+    prev, prev_sha = fetch_global(store, layout, r - 1, prev_manifest, codec, sync_method(p.spes), local.base(),
                                   local.load_base, own_cached)
     if local.base() != (r - 1, prev_sha) and local.save_base(r - 1, prev) != prev_sha:
         raise StorageError(f"node {node}: global {r - 1} as held here does not hash to the committed {prev_sha[:12]}")
-    return RoundInputs(prev, prev_sha, prev_meta["model_config"], state, ref, local)
+    return RoundInputs(prev, prev_sha, prev_meta.model_config, state, ref, local)
 
 
 def _share(inputs: Optional[RoundInputs]) -> tuple[dict, dict, dict, int]:
@@ -109,23 +123,26 @@ def _share(inputs: Optional[RoundInputs]) -> tuple[dict, dict, dict, int]:
     return prev, small[0], optim, small[1]
 
 
-def node_round(p: Params, store: Store, run: str, r: int, node: int, data: TokenData,
-               on_step: Optional[Callable[[int], None]] = None, checkpoint: bool = False) -> Optional[dict]:
-    """Run node `node`'s `sync_steps` local steps of round r and commit its upload; returns its meta.
+@dataclass
+class Trained:
+    """What `train` hands to `commit`: the trained tensors and what the steps measured."""
 
-    On a node of several ranks (torch.distributed initialized) every rank calls this: each trains on its
-    share of every batch (data parallel), rank 0 alone reads and writes storage and returns the meta
-    (the others return None)."""
-    s, layout = p.spes, RunLayout(run)
+    trainer: NodeTrainer
+    position: int
+    losses: list[float]
+    tokens: int
+    counts: Optional[torch.Tensor]
+    device: torch.device
+    seconds_load: float
+    seconds_compute: float
+
+
+def train(p: Params, r: int, node: int, data: TokenData, prev: dict, model_config: dict, optim: dict,
+          position: int, on_step: Optional[Callable[[int], None]] = None) -> Trained:
+    """Every rank: the node's `sync_steps` local steps from global r-1 (this rank's share of each batch)."""
+    t0 = time.perf_counter()
+    s, method = p.spes, sync_method(p.spes)
     rank, ranks = rank_and_size()
-    lead = rank == 0
-    rel = layout.node_dir(r, node)
-    if broadcast_object(lead and store.is_committed(rel)):  # a retry after the node already finished
-        return node_meta(store.read_manifest(rel)) if lead else None
-    t0, read0, written0 = time.perf_counter(), store.bytes_read, store.bytes_written
-    inputs = _round_inputs(p, store, run, r, node) if lead else None
-    prev, model_config, optim, position = _share(inputs)
-
     device = resolve_device(p.orchestration.device, node * ranks + rank)
     model = CausalLM(ModelConfig(**model_config))
     model.load_canonical_state_dict(prev)
@@ -133,9 +150,10 @@ def node_round(p: Params, store: Store, run: str, r: int, node: int, data: Token
     if optim:
         trainer.load_optimizer_tensors(optim)
     torch.manual_seed(node_seed(s.seed, node, r))
-    stream = BatchStream(data.train, s.node_batch_size, s.seq_len, s.seed, node, position, order=p.data.order,
-                         num_nodes=s.nodes)
-    share = slice(rank * s.node_batch_size // ranks, (rank + 1) * s.node_batch_size // ranks)
+    batch = method.node_batch_size
+    stream = BatchStream(data.train, batch, s.seq_len, s.seed, node, position, order=p.data.order,
+                         num_nodes=method.nodes)
+    share = slice(rank * batch // ranks, (rank + 1) * batch // ranks)
     t_load = time.perf_counter() - t0
 
     losses, tokens, counts = [], 0, None
@@ -151,35 +169,61 @@ def node_round(p: Params, store: Store, run: str, r: int, node: int, data: Token
         if on_step is not None:
             on_step(i)
     losses = torch.stack(losses).tolist()  # the round's one wait for the device
-    t_compute = time.perf_counter() - t1
-    if not lead:
-        return None
+    return Trained(trainer, stream.position, losses, tokens, counts, device, t_load, time.perf_counter() - t1)
 
+
+def commit(p: Params, store: Store, run: str, r: int, node: int, inputs: RoundInputs, t: Trained,
+           checkpoint: bool, bytes_read0: int, bytes_written0: int) -> NodeReport:
+    """Rank 0: encode the upload, keep the node's state (and checkpoint it), commit the upload."""
     t2 = time.perf_counter()
-    trained = trainer.upload()
-    _check_finite(losses, first_step, node, r, trained)
+    s, layout = p.spes, RunLayout(run)
+    trained = t.trainer.upload()
+    first_step = (r - 1) * s.sync_steps
+    _check_finite(t.losses, first_step, node, r, trained)
     state, local = inputs.state, inputs.local
     codec = make_codec(p.sync.codec, p.sync.int8_block)
-    files, residual = encode_upload(s.method, codec, prev, trained, trainer.owned,
+    files, residual = encode_upload(sync_method(s), codec, inputs.prev, trained, t.trainer.owned,
                                     state.residual if state is not None else None, p.sync.error_feedback)
-    saved = local.save_state(r, stream.position, trainer.optimizer_tensors(), residual, files.get(EXPERTS_FILE, {}))
+    saved = local.save_state(r, t.position, t.trainer.optimizer_tensors(), residual, files.get(EXPERTS_FILE, {}))
     if checkpoint:  # the same files, so the same digest: a resume can take it from either place
         store.remove(layout.state_dir(r, node))
         store.write_bundle(layout.state_dir(r, node), saved["files"], saved["meta"])
-    bytes_down = store.bytes_read - read0
-    meta = {"round": r, "node": node, "experts": list(trainer.owned), "tokens": tokens,
-            "base_round": r - 1, "base_sha256": inputs.prev_sha, "codec": codec.name,
-            "state": {"round": r, "digest": saved["digest"], "checkpoint": checkpoint},
-            "step_end": r * s.sync_steps, "loss_first": losses[0], "loss_last": losses[-1],
-            "loss_mean": sum(losses) / len(losses), "losses": losses,
-            "expert_load": counts.cpu().tolist() if counts is not None else [], "ranks": ranks,
-            "bytes_down": bytes_down, "seconds_load": t_load, "seconds_compute": t_compute, "device": str(device),
-            "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+    dev = t.device
+    meta = UploadMeta(
+        round=r, node=node, experts=list(t.trainer.owned), tokens=t.tokens, base_round=r - 1,
+        base_sha256=inputs.prev_sha, codec=codec.name, state=StateRef(r, saved["digest"], checkpoint),
+        step_end=r * s.sync_steps, loss_first=t.losses[0], loss_last=t.losses[-1],
+        loss_mean=sum(t.losses) / len(t.losses), losses=t.losses,
+        expert_load=t.counts.cpu().tolist() if t.counts is not None else [], ranks=rank_and_size()[1],
+        bytes_down=store.bytes_read - bytes_read0, seconds_load=t.seconds_load, seconds_compute=t.seconds_compute,
+        device=str(dev), peak_bytes=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None)
+    rel = layout.node_dir(r, node)
     up = BundleWriter(store, rel)
     for fname, parts in files.items():
         up.add(fname, parts)
-    meta["bytes_up_files"] = store.bytes_written - written0
-    manifest = up.commit(meta)
+    meta.bytes_up_files = store.bytes_written - bytes_written0
+    manifest = up.commit(meta.to_json())
     ref = inputs.ref
-    local.prune_before(min(int(ref["round"]) if ref else 0, last_checkpoint_round(r, p.checkpoint.every_rounds)))
-    return {**node_meta(manifest), "seconds_save": time.perf_counter() - t2}
+    local.prune_before(min(ref.round if ref else 0, last_checkpoint_round(r, p.checkpoint.every_rounds)))
+    return node_report(manifest, f"{store.url}/{rel}", time.perf_counter() - t2)
+
+
+def node_round(p: Params, store: Store, run: str, r: int, node: int, data: TokenData,
+               on_step: Optional[Callable[[int], None]] = None, checkpoint: bool = False) -> Optional[NodeReport]:
+    """Node `node`'s part of round r: read its inputs, train `sync_steps` local steps, commit its upload;
+    returns its report.
+
+    On a node of several ranks (torch.distributed initialized) every rank calls this: each trains on its
+    share of every batch (data parallel), rank 0 alone reads and writes storage and returns the report
+    (the others return None)."""
+    lead = rank_and_size()[0] == 0
+    done = committed_report(store, run, r, node) if lead else None
+    if broadcast_object(done is not None):  # a retry after the node already finished
+        return done
+    read0, written0 = store.bytes_read, store.bytes_written
+    inputs = read_inputs(p, store, run, r, node) if lead else None
+    prev, model_config, optim, position = _share(inputs)
+    t = train(p, r, node, data, prev, model_config, optim, position, on_step)
+    if not lead:
+        return None
+    return commit(p, store, run, r, node, inputs, t, checkpoint, read0, written0)

@@ -11,6 +11,7 @@ wait out the TTL.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -18,43 +19,40 @@ import time
 import uuid
 from typing import Optional
 
+import psutil
+
 from spes.errors import RunLocked, StorageError
 from spes.run.layout import RunLayout
 from spes.storage.store import Store
 
 
 def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
+    """This machine's boot (a pid is only meaningful within one)."""
+    return f"{psutil.boot_time():.0f}"
 
 
-def _start_ticks(pid: int) -> Optional[str]:
-    """The process's start time since boot (to tell a reused pid from the original), where /proc has it."""
+def _started(pid: int) -> Optional[float]:
+    """When process `pid` started (to tell a reused pid from the original), or None if it is gone."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
         return None
 
 
 def _process_gone(held: dict) -> bool:
-    """True only when the holder ran on this very machine (host and boot id) and its process is gone."""
+    """True only when the holder ran on this very machine (host and boot) and its process is gone."""
     if held.get("host") != socket.gethostname() or not held.get("boot_id") or held.get("boot_id") != _boot_id():
         return False
     pid = int(held.get("pid", -1))
     if pid <= 0:
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    started = _started(pid)
+    if started is None:
         return True
-    except PermissionError:
-        pass
-    ticks = _start_ticks(pid)
-    return ticks is not None and held.get("start_ticks") is not None and ticks != held["start_ticks"]
+    return held.get("started") is not None and abs(started - float(held["started"])) > 0.01
+
+
+log = logging.getLogger("spes.run.lease")
 
 
 class WriterLease:
@@ -70,7 +68,7 @@ class WriterLease:
     def _body(self, released: bool = False) -> bytes:
         pid = os.getpid()
         return json.dumps({"owner": self.owner, "host": socket.gethostname(), "boot_id": _boot_id(), "pid": pid,
-                           "start_ticks": _start_ticks(pid), "expires_at": time.time() + self.ttl_s,
+                           "started": _started(pid), "expires_at": time.time() + self.ttl_s,
                            "released": released}).encode()
 
     def _top(self) -> tuple[int, Optional[dict]]:
@@ -166,7 +164,9 @@ class RunLease:
             except RunLocked as e:
                 self._lost = e
                 return
-            except Exception:  # storage hiccup: try again next period; the lease still has 2/3 of its time
+            except Exception as e:  # storage hiccup: try again next period; the lease still has 2/3 of its time
+                log.warning("run %s: could not refresh the writer lease (%s: %s); trying again in %.0fs",
+                            self.run, type(e).__name__, e, self.ttl_s / 3)
                 continue
 
     def check(self) -> None:

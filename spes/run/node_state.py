@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from spes.errors import IntegrityError, NodeStateError, NotCommitted
+from spes.run.records import StateRef
 from spes.storage.store import Store
 
 OPTIM_FILE, RESIDUAL_FILE, EXPERTS_FILE, MODEL_FILE = ("optim.safetensors", "residual.safetensors",
@@ -31,8 +32,11 @@ OPTIM_FILE, RESIDUAL_FILE, EXPERTS_FILE, MODEL_FILE = ("optim.safetensors", "res
 
 def state_digest(manifest: dict) -> str:
     m = manifest["meta"]
-    ident = {"run_id": m["run_id"], "node": m["node"], "round": m["round"], "data_position": m["data_position"],
-             "files": {f: e["sha256"] for f, e in sorted(manifest["files"].items())}}
+    try:
+        ident = {"run_id": m["run_id"], "node": m["node"], "round": m["round"], "data_position": m["data_position"],
+                 "files": {f: e["sha256"] for f, e in sorted(manifest["files"].items())}}
+    except (KeyError, TypeError) as e:
+        raise IntegrityError(f"a node state manifest without {e}: not a node state") from None
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
@@ -94,10 +98,10 @@ class NodeStateDir:
                          b.files[RESIDUAL_FILE], b.files[EXPERTS_FILE], manifest["files"][EXPERTS_FILE]["sha256"],
                          digest, where)
 
-    def load_state(self, ref: dict, shared: Store, checkpoint_rel: str) -> NodeState:
-        """The state `ref` ({round, digest, checkpoint}) names: from this machine, else the checkpoint on
-        shared storage; anything else is an error naming what is missing."""
-        r, digest = int(ref["round"]), ref["digest"]
+    def load_state(self, ref: StateRef, shared: Store, checkpoint_rel: str) -> NodeState:
+        """The state `ref` names: from this machine, else the checkpoint on shared storage; anything else is
+        an error naming what is missing."""
+        r, digest = ref.round, ref.digest
         where = os.path.join(self.path, self.state_rel(r))
         try:
             state = self._load(self.local, self.state_rel(r), where, digest)
@@ -105,23 +109,23 @@ class NodeStateDir:
             state, damaged = None, e
         else:
             damaged = None
-        if state is None and ref.get("checkpoint"):
+        if state is None and ref.checkpoint:
             state = self._load(shared, checkpoint_rel, f"{shared.url}/{checkpoint_rel}", digest)
         if state is None:
             why = f" (the local copy is damaged: {damaged})" if damaged else ""
             raise NodeStateError(f"node {self.node}: its state after round {r} (digest {digest[:12]}) that the "
                                  f"committed global was built with is not in {where}{why}"
-                                 + (" nor in the checkpoint on shared storage" if ref.get("checkpoint") else
+                                 + (" nor in the checkpoint on shared storage" if ref.checkpoint else
                                     " and round {r} is no checkpoint round".format(r=r))
                                  + "; resume from a resumable round")
         return state
 
-    def has_state(self, ref: dict) -> bool:
+    def has_state(self, ref: StateRef) -> bool:
         try:
-            m = self.local.read_manifest(self.state_rel(int(ref["round"])))
+            m = self.local.read_manifest(self.state_rel(ref.round))
         except (NotCommitted, IntegrityError):
             return False
-        return state_digest(m) == ref["digest"]
+        return state_digest(m) == ref.digest
 
     def discard_after(self, r: int) -> None:
         """States of rounds > r belong to no committed global yet (a crash after saving, or a superseded

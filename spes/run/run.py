@@ -1,89 +1,40 @@
-"""A run's state on shared storage: identity, committed rounds, where to resume, round records.
+"""A run's state on shared storage: identity, committed rounds, where to resume, retention, round records.
 
-A run is identified by a fingerprint of the settings that change its maths (model, init, data, SPES
-settings; only values that differ from the schema's defaults count, so a release that adds a setting at
-a backward-compatible default leaves runs resumable) and by its initial model (the sha256 of round 0's
-model file). Committed rounds are reused only by a run with the same identity.
+A run is identified by a fingerprint of the settings that change its maths and by its initial model (the
+sha256 of round 0's model file: spes/run/identity.py). Committed rounds are reused only by a run with the
+same identity. Rounds are committed in order (round r needs global r-1), so the committed rounds are
+0..latest. Every committed global carries the run's index (records.RunIndex), so a round's retention and a
+resume read a bounded number of manifests, whatever the round number.
 """
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import logging
-import os
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
-import torch
-from safetensors.torch import load_file
-
-from spes.config.loader import to_dict
-from spes.config.schema import ModelConfig, Params
-from spes.errors import NotCommitted, RunMismatch, StorageError
-from spes.model.transformer import CausalLM, canonical_shapes
+from spes.config.schema import ModelConfig
+from spes.errors import NotCommitted, ProtocolError, RecordError, RunMismatch
+from spes.model.names import canonical_shapes
+from spes.model.transformer import CausalLM
+from spes.run.identity import FINGERPRINT_VERSION, InitModel
 from spes.run.layout import MODEL_FILE, RunLayout
+from spes.run.records import GlobalMeta, RoundRecord, RunIndex, StateRef
 from spes.storage.store import Store
-from spes.storage.tensorio import tensors_sha256
 
-FINGERPRINT_SECTIONS = ("model", "init", "spes", "sync", "tokenize", "data", "dense")
-NOT_IN_FINGERPRINT = {"model": ("experts_impl",)}
-"""Implementation choices that leave the maths alone, like the device and storage placement."""
 log = logging.getLogger("spes.run")
 
-
-def _non_default(d: Any, default: Any) -> Any:
-    if isinstance(d, dict) and isinstance(default, dict):
-        out = {k: _non_default(v, default.get(k)) for k, v in d.items() if k not in default or v != default[k]}
-        return {k: v for k, v in out.items() if v != {} or k not in default}
-    return d
+LocalStateCheck = Callable[[int, StateRef], bool]
+"""(node, state ref) -> whether that node's state is in its own folder (process executor: visible here)."""
 
 
-def fingerprint_of(settings: dict) -> str:
-    """Hash of the settings that differ from the schema's defaults (see the module docstring)."""
-    defaults = to_dict(Params())
-    keep = {}
-    for k in FINGERPRINT_SECTIONS:
-        section = {n: v for n, v in settings.get(k, {}).items() if n not in NOT_IN_FINGERPRINT.get(k, ())}
-        keep[k] = _non_default(section, defaults[k])
-    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def settings_fingerprint(p: Params) -> str:
-    return fingerprint_of(to_dict(p))
-
-
-@dataclass
-class InitModel:
-    """Round 0 of a run: canonical tensors, the model config they belong to, where they came from."""
-
-    tensors: dict[str, torch.Tensor]
-    model_config: dict
-    source: str
-
-    @property
-    def sha256(self) -> str:
-        """The sha256 of round 0's model file once committed (bundles write tensors sorted by name)."""
-        return tensors_sha256(self.tensors)
-
-    @classmethod
-    def from_state(cls, tensors: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> "InitModel":
-        return cls({k: v.detach().cpu() for k, v in tensors.items()}, dataclasses.asdict(cfg), source)
-
-    @classmethod
-    def load(cls, path: str) -> "InitModel":
-        """The `upcycle` stage's output: `model.safetensors` + `config.json` beside it (checked to match)."""
-        with open(os.path.join(os.path.dirname(path), "config.json")) as f:
-            cfg = json.load(f)
-        tensors = load_file(path)
-        want = canonical_shapes(ModelConfig(**cfg["model_config"]))
-        got = {k: tuple(v.shape) for k, v in tensors.items()}
-        if got != want:
-            bad = sorted(set(got.items()) ^ set(want.items()))[:3]
-            raise StorageError(f"init model {path} does not match its config.json (e.g. {bad})")
-        return cls(tensors, cfg["model_config"], cfg.get("source", "init"))
+def next_index(prev: Optional[RunIndex], r: int, node_states: dict[int, StateRef]) -> RunIndex:
+    """The index global r carries: global r-1's, plus r when every node's state it was built with is
+    checkpointed on shared storage (a resume from anywhere can start after r)."""
+    resumable = list(prev.storage_resumable if prev is not None else [0])
+    if all(ref.checkpoint for ref in node_states.values()) and r not in resumable:
+        resumable.append(r)
+    return RunIndex(storage_resumable=resumable)
 
 
 class Run:
@@ -93,12 +44,17 @@ class Run:
     # -- identity ----------------------------------------------------------------------------------
     def info(self) -> Optional[dict]:
         try:
-            return self.store.read_manifest(self.layout.info)["meta"]
+            meta = self.store.read_manifest(self.layout.info)["meta"]
         except NotCommitted:
             return None
+        if not all(isinstance(meta.get(k), str) for k in ("fingerprint", "run_id")):
+            raise RecordError(f"{self.store.url}/{self.layout.info}/manifest.json: a run info needs fingerprint and "
+                              "run_id")
+        return meta
 
     def _write_info(self, fingerprint: str, init_sha: str) -> None:
         self.store.write_bundle(self.layout.info, {}, {"fingerprint": fingerprint, "init_sha256": init_sha,
+                                                       "fingerprint_version": FINGERPRINT_VERSION,
                                                        "run_id": uuid.uuid4().hex, "created_at": time.time()})
 
     def _round0_sha(self) -> Optional[str]:
@@ -107,18 +63,21 @@ class Run:
         except NotCommitted:
             return None
 
-    def ensure(self, fingerprint: str, init: Optional[InitModel], on_mismatch: str = "error") -> None:
+    def ensure(self, fingerprint: str, init: Optional[InitModel], on_mismatch: str = "error",
+               legacy: Optional[str] = None) -> None:
         """Make the run exist with this identity: round 0 from `init` (or already committed by whoever
         started the run), the info bundle; refuse, or with on_mismatch='restart' set aside, a run made with
-        other settings or another initial model."""
+        other settings or another initial model. `legacy`: the fingerprint a run made before fingerprint
+        versions would have recorded for these settings (identity.legacy_fingerprint)."""
         init_sha = init.sha256 if init is not None else None
         info = self.info()
         if info is not None:
-            same = info["fingerprint"] == fingerprint and init_sha in (None, info["init_sha256"])
-            if same:
+            same_settings = info["fingerprint"] == fingerprint or (
+                "fingerprint_version" not in info and legacy is not None and info["fingerprint"] == legacy)
+            if same_settings and init_sha in (None, info.get("init_sha256")):
                 return
             if on_mismatch != "restart":
-                what = "settings" if info["fingerprint"] != fingerprint else "initial model"
+                what = "settings" if not same_settings else "initial model"
                 raise RunMismatch(f"run {self.name!r} on {self.store.url} was made with another {what} "
                                   f"(fingerprint {info['fingerprint']}, now {fingerprint}); use another "
                                   "orchestration.run_name or restart it")
@@ -126,106 +85,168 @@ class Run:
             log.warning("settings changed: rounds %s of run %s moved to superseded/", moved, self.name)
         if self._round0_sha() is None:
             if init is None:
-                raise StorageError(f"run {self.name!r} does not exist on {self.store.url} and no init model was given")
-            meta = {"round": 0, "step": 0, "source": init.source, "model_config": init.model_config,
-                    "contributors": [], "missing": []}
-            self.store.write_bundle(self.layout.global_dir(0), {MODEL_FILE: init.tensors}, meta)
+                raise ProtocolError(f"run {self.name!r} does not exist on {self.store.url} and no init model was "
+                                    "given")
+            meta = GlobalMeta(round=0, step=0, model_config=init.model_config, source=init.source, index=RunIndex())
+            self.store.write_bundle(self.layout.global_dir(0), {MODEL_FILE: init.tensors}, meta.to_json())
         self._write_info(fingerprint, self._round0_sha())
 
     # -- rounds ------------------------------------------------------------------------------------
-    def committed_rounds(self) -> list[int]:
-        return [int(n) for n in self.store.list_names(self.layout.rounds_dir)
-                if n.isdigit() and self.store.is_committed(self.layout.global_dir(int(n)))]
+    def _round_names(self) -> list[int]:
+        return sorted(int(n) for n in self.store.list_names(self.layout.rounds_dir) if n.isdigit())
 
     def latest_round(self) -> Optional[int]:
-        rounds = self.committed_rounds()
-        return rounds[-1] if rounds else None
+        """The latest committed round: one listing, then COMMIT markers from the top (a round being written
+        has no marker yet)."""
+        for r in reversed(self._round_names()):
+            if self.store.is_committed(self.layout.global_dir(r)):
+                return r
+        return None
 
-    def node_states(self, r: int) -> dict[int, dict]:
-        """The node states global r was built with: node -> {round, digest, checkpoint}."""
-        meta = self.store.read_manifest(self.layout.global_dir(r))["meta"]
-        return {int(i): ref for i, ref in meta.get("node_states", {}).items()}
+    def committed_rounds(self) -> list[int]:
+        """Rounds whose global is still on storage (retention deletes older globals' models)."""
+        return [r for r in self._round_names() if self.store.is_committed(self.layout.global_dir(r))]
 
-    def _checkpointed(self, node: int, ref: dict) -> bool:
-        from spes.run.node_state import state_digest
+    def global_meta(self, r: int) -> GlobalMeta:
+        rel = self.layout.global_dir(r)
+        return GlobalMeta.from_json(self.store.read_manifest(rel)["meta"], f"{self.store.url}/{rel}")
 
-        if not ref.get("checkpoint"):
-            return False
+    def check_global(self, r: int) -> GlobalMeta:
+        """Before a round starts from global r: its meta and its model file's tensors (names, shapes) fit the
+        model config it records; a damaged manifest stops here, naming the file, not inside a node."""
+        rel = self.layout.global_dir(r)
+        manifest = self.store.read_manifest(rel)
+        meta = GlobalMeta.from_json(manifest["meta"], f"{self.store.url}/{rel}")
         try:
-            return state_digest(self.store.read_manifest(self.layout.state_dir(int(ref["round"]), node))) == ref["digest"]
-        except NotCommitted:
-            return False
+            want = canonical_shapes(ModelConfig(**meta.model_config))
+        except TypeError as e:
+            raise RecordError(f"{self.store.url}/{rel}/manifest.json: model_config does not fit the schema ({e})") from None
+        entry = manifest["files"].get(MODEL_FILE)
+        got = {n: tuple(t.get("shape", ())) for n, t in (entry or {}).get("tensors", {}).items()}
+        if got != want:
+            bad = sorted(set(got.items()) ^ set(want.items()))[:3]
+            raise RecordError(f"{self.store.url}/{rel}/manifest.json: its tensors do not fit its model config "
+                              f"(e.g. {bad})")
+        return meta
 
-    def resumable_rounds(self, has_local_state: Optional[Callable[[int, dict], bool]] = None) -> list[int]:
+    def node_states(self, r: int) -> dict[int, StateRef]:
+        """The node states global r was built with."""
+        return self.global_meta(r).node_states
+
+    def index(self, r: int) -> RunIndex:
+        """The index global r carries (globals written before indexes: rebuilt once from the ones before)."""
+        meta = self.global_meta(r)
+        if meta.index is not None:
+            return meta.index
+        index = None
+        for q in self.committed_rounds():
+            if q <= r:
+                index = next_index(index, q, meta.node_states if q == r else self.node_states(q))
+        return index or RunIndex()
+
+    def _checkpointed(self, node: int, ref: StateRef) -> bool:
+        return ref.checkpoint and self.store.is_committed(self.layout.state_dir(ref.round, node))
+
+    def resumable_rounds(self, has_local_state: Optional[LocalStateCheck] = None) -> list[int]:
         """Committed rounds every node can continue from: each node's state that round's global was built
-        with is checkpointed on shared storage, or (when `has_local_state` can tell) in the node's own folder.
-        Without `has_local_state` (nodes on other machines) the latest round counts as resumable: nodes keep
-        their latest state; one that lacks it fails with a message naming what is missing."""
-        committed = self.committed_rounds()
+        with is checkpointed on shared storage (the latest global's index says which), or (when
+        `has_local_state` can tell) in the node's own folder. Without `has_local_state` (nodes on other
+        machines) the latest round counts as resumable: nodes keep their latest state; one that lacks it fails
+        with a message naming what is missing. Read at a resume: one manifest per committed round."""
+        latest = self.latest_round()
+        if latest is None:
+            return []
+        from_storage = set(self.index(latest).storage_resumable)
         out = []
-        for r in committed:
-            refs = self.node_states(r)
-            ok = all(self._checkpointed(i, ref) or (has_local_state is not None and has_local_state(i, ref))
-                     for i, ref in refs.items())
-            if ok or (has_local_state is None and r == committed[-1]):
+        for r in self.committed_rounds():
+            if r in from_storage:
+                out.append(r)
+            elif has_local_state is None:
+                if r == latest:
+                    out.append(r)
+            elif all(self._checkpointed(i, ref) or has_local_state(i, ref) for i, ref in self.node_states(r).items()):
                 out.append(r)
         return out
 
     def resolve_start(self, resume_round: Union[int, str, None],
-                      has_local_state: Optional[Callable[[int, dict], bool]] = None) -> int:
+                      has_local_state: Optional[LocalStateCheck] = None) -> int:
         """The first round to run: after the latest resumable round (None / 'latest'), or after
         `resume_round`; later committed rounds are set aside so they are recomputed."""
-        committed = self.committed_rounds()
-        if not committed:
-            raise StorageError(f"run {self.name!r} has no committed round on {self.store.url}")
-        resumable = self.resumable_rounds(has_local_state)
+        latest = self.latest_round()
+        if latest is None:
+            raise ProtocolError(f"run {self.name!r} has no committed round on {self.store.url}")
         if resume_round in (None, "latest"):
-            k = resumable[-1]
-            if k != committed[-1]:
-                log.warning("run %s: continuing from round %d, the latest resumable one (rounds %s lack node "
-                            "states: not checkpointed, not on the nodes)", self.name, k, [c for c in committed if c > k])
+            if has_local_state is None:
+                k = latest  # nodes elsewhere keep their latest state
+            else:
+                resumable = self.resumable_rounds(has_local_state)
+                k = resumable[-1]
+                if k != latest:
+                    log.warning("run %s: continuing from round %d, the latest resumable one (rounds %d-%d lack node "
+                                "states: not checkpointed, not on the nodes)", self.name, k, k + 1, latest)
         else:
             try:
                 k = int(resume_round)
             except (TypeError, ValueError):
-                raise StorageError(f"resume_round must be 'latest' or a round number, got {resume_round!r}") from None
+                raise ProtocolError(f"resume_round must be 'latest' or a round number, got {resume_round!r}") from None
+            committed = self.committed_rounds()
             if k not in committed:
-                raise StorageError(f"run {self.name!r}: round {k} is not committed (committed: {committed})")
+                if 0 < k < latest:
+                    raise ProtocolError(f"run {self.name!r}: round {k} was pruned by retention (storage.keep_rounds, "
+                                        f"checkpoint.keep_last); rounds a resume can start from: "
+                                        f"{self.resumable_rounds(has_local_state)}")
+                raise ProtocolError(f"run {self.name!r}: round {k} is not committed (committed: {committed})")
+            resumable = self.resumable_rounds(has_local_state)
             if k not in resumable:
-                raise StorageError(f"run {self.name!r}: round {k} is not resumable: some node's state after it is "
-                                 f"neither checkpointed nor on its node (resumable: {resumable})")
+                raise ProtocolError(f"run {self.name!r}: round {k} is not resumable: some node's state after it is "
+                                    f"neither checkpointed nor on its node (resumable: {resumable})")
         moved = self.supersede_after(k)
         if moved:
             log.warning("resuming from round %d: rounds %s moved to %s/superseded/", k, moved, self.layout.base)
         log.info("run %s: resuming after round %d", self.name, k)
         return k + 1
 
-    def prune(self, keep_rounds: Optional[int], keep_checkpoints: Optional[int] = None) -> list[int]:
-        """Retention (storage.keep_rounds): the last `keep_rounds` committed rounds stay whole (their deltas
-        refer to the node uploads of the round); round 0 and the rounds a resume can start from from shared
-        storage (the last `keep_checkpoints` of them, or all) keep their global and the node states they
-        need; every other round keeps only its record. Returns the rounds whose model was deleted."""
+    # -- retention ---------------------------------------------------------------------------------
+    def retire(self, r: int, keep_rounds: Optional[int], keep_checkpoints: Optional[int] = None) -> list[int]:
+        """Retention after round r committed (storage.keep_rounds, checkpoint.keep_last): the last
+        `keep_rounds` rounds stay whole (their deltas refer to the node uploads of the round); round 0 and
+        the last `keep_checkpoints` (or all) rounds a resume can start from from shared storage keep their
+        global and the node states they need; every other round keeps only its record. Touches only the
+        round leaving the window and the checkpoint round leaving `keep_checkpoints`: a bounded number of
+        storage calls, whatever r. Returns the rounds whose model was deleted."""
         if keep_rounds is None:
             return []
-        committed = self.committed_rounds()
-        window = set(committed[-keep_rounds:])
-        from_storage = [r for r in self.resumable_rounds(lambda i, ref: False) if r > 0]
-        from_storage = set(from_storage[-keep_checkpoints:] if keep_checkpoints else from_storage) | {0}
-        keep = window | from_storage
-        needed_states = {(int(ref["round"]), i) for r in keep for i, ref in self.node_states(r).items()
-                         if ref.get("checkpoint")}
+        index = self.index(r)
+        ckpts = [c for c in index.storage_resumable if c > 0]
+        kept_ckpts = set(ckpts[-keep_checkpoints:] if keep_checkpoints else ckpts) | {0}
+        window = range(max(1, r - keep_rounds + 1), r + 1)
+        leaving = [q for q in (r - keep_rounds,) if q >= 1]
+        if keep_checkpoints and len(ckpts) > keep_checkpoints:
+            leaving += [c for c in ckpts[-keep_checkpoints - 1:-keep_checkpoints] if c not in window]
+        if not leaving:
+            return []
+        keep = set(window) | kept_ckpts
+        # a state of round q can be needed only by globals from q on: a bounded set (window, kept checkpoints)
+        needed = {(ref.round, i) for g in sorted(keep) if g >= min(leaving)
+                  for i, ref in self._refs(g).items() if ref.checkpoint}
         dropped = []
-        for r in committed:
-            if r not in window:
-                self.store.remove(self.layout.delta_dir(r))
-                self.store.remove(f"{self.layout.round_dir(r)}/nodes")
-            for name in self.store.list_names(f"{self.layout.round_dir(r)}/states"):
-                if name.isdigit() and (r, int(name)) not in needed_states and r not in window:
-                    self.store.remove(self.layout.state_dir(r, int(name)))
-            if r not in keep:
-                self.store.remove(self.layout.global_dir(r))
-                dropped.append(r)
+        for q in sorted(set(leaving)):
+            if q not in window:
+                self.store.remove(self.layout.delta_dir(q))
+                self.store.remove(f"{self.layout.round_dir(q)}/nodes")
+                for name in self.store.list_names(f"{self.layout.round_dir(q)}/states"):
+                    if name.isdigit() and (q, int(name)) not in needed:
+                        self.store.remove(self.layout.state_dir(q, int(name)))
+            if q not in keep and self.store.exists(self.layout.global_dir(q)):
+                self.store.remove(self.layout.global_dir(q))
+                dropped.append(q)
         return dropped
+
+    def _refs(self, r: int) -> dict[int, StateRef]:
+        try:
+            return self.node_states(r)
+        except NotCommitted:  # a checkpoint round whose global retention already removed
+            return {}
 
     def supersede_after(self, r: int, include_info: bool = False) -> list[int]:
         """Move rounds > r aside (never deleted) so a resume from r can rewrite them."""
@@ -242,22 +263,29 @@ class Run:
 
     def load_model(self, r: int):
         """Global round r as a model (config from the round's meta), and its manifest."""
-        b = self.store.read_bundle(self.layout.global_dir(r), only=[MODEL_FILE])
-        model = CausalLM(ModelConfig(**b.meta["model_config"]))
+        rel = self.layout.global_dir(r)
+        b = self.store.read_bundle(rel, only=[MODEL_FILE])
+        meta = GlobalMeta.from_json(b.meta, f"{self.store.url}/{rel}")
+        model = CausalLM(ModelConfig(**meta.model_config))
         model.load_canonical_state_dict(b.files[MODEL_FILE])
         return model, b.manifest
 
     # -- records -----------------------------------------------------------------------------------
-    def write_record(self, r: int, record: dict) -> None:
+    def write_record(self, r: int, record: RoundRecord) -> None:
         if not self.store.is_committed(self.layout.record_dir(r)):
-            self.store.write_bundle(self.layout.record_dir(r), {}, record)
+            self.store.write_bundle(self.layout.record_dir(r), {}, record.to_json())
 
-    def records(self, first: int, last: int) -> list[dict]:
+    def record(self, r: int) -> Optional[RoundRecord]:
+        rel = self.layout.record_dir(r)
+        try:
+            meta = self.store.read_manifest(rel)["meta"]
+        except NotCommitted:
+            return None
+        return RoundRecord.from_json(meta, f"{self.store.url}/{rel}")
+
+    def records(self, first: int, last: int) -> list[RoundRecord]:
         """How rounds first..last went, for those with a record (a stage re-run reports these)."""
-        out = []
-        for r in range(first, last + 1):
-            try:
-                out.append(self.store.read_manifest(self.layout.record_dir(r))["meta"])
-            except NotCommitted:
-                continue
-        return out
+        return [rec for rec in (self.record(r) for r in range(first, last + 1)) if rec is not None]
+
+    def rounds_with_records(self, rounds: Iterable[int]) -> list[int]:
+        return [r for r in rounds if self.store.is_committed(self.layout.record_dir(r))]

@@ -20,19 +20,14 @@ from typing import Optional
 
 import torch
 
-from spes.model.transformer import is_expert_param
 from spes.sync.codecs import Codec
+from spes.sync.methods import SyncMethod
 
 SHARED_FILE, EXPERTS_FILE = "shared.safetensors", "experts.safetensors"
 
 
 def experts_file(owner: int) -> str:
     return f"experts-{owner:03d}.safetensors"
-
-
-def is_averaged(method: str, name: str) -> bool:
-    """Tensors whose new value is a mean over nodes (everything for the baselines, shared params for SPES)."""
-    return method != "spes" or not is_expert_param(name)
 
 
 def encoded_specs(codec: Codec, shapes: dict[str, tuple[int, ...]]) -> list:
@@ -83,17 +78,17 @@ def encode_with_feedback(codec: Codec, name: str, x: torch.Tensor, residual: Opt
 
 
 # -- node side: up ---------------------------------------------------------------------------------------
-def encode_upload(method: str, codec: Codec, prev: dict[str, torch.Tensor], trained: dict[str, torch.Tensor],
+def encode_upload(method: SyncMethod, codec: Codec, prev: dict[str, torch.Tensor], trained: dict[str, torch.Tensor],
                   owned: tuple[int, ...], residual: Optional[dict], error_feedback: bool):
     """(files {fname: parts}, new residual) for a node that trained `trained` from global `prev`.
     `trained` holds full averaged tensors and, for SPES, only the owned rows of expert tensors."""
     files: dict[str, dict[str, torch.Tensor]] = {SHARED_FILE: {}}
-    if method == "spes":
+    if method.sparse_experts:
         files[EXPERTS_FILE] = {}
     new_residual: dict[str, torch.Tensor] = {}
     rows = torch.tensor(list(owned), dtype=torch.long)
     for name in sorted(trained):
-        averaged = is_averaged(method, name)
+        averaged = method.is_averaged(name)
         base = prev[name] if averaged else prev[name][rows]
         parts, res = encode_with_feedback(codec, name, trained[name].float() - base, residual, error_feedback)
         files[SHARED_FILE if averaged else EXPERTS_FILE].update(parts)
@@ -103,14 +98,15 @@ def encode_upload(method: str, codec: Codec, prev: dict[str, torch.Tensor], trai
 
 
 # -- node side: down -------------------------------------------------------------------------------------
-def apply_delta(prev: dict[str, torch.Tensor], codec: Codec, method: str, files: dict[str, dict],
-                expert_files: dict[str, dict]) -> dict[str, torch.Tensor]:
-    """Global r from global r-1 and delta r (`files`: fname -> tensors, `expert_files` from its meta)."""
+def apply_delta(prev: dict[str, torch.Tensor], codec: Codec, method: SyncMethod, files: dict[str, dict],
+                expert_rows: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """Global r from global r-1 and delta r (`files`: fname -> tensors; `expert_rows`: the rows of each
+    owner's expert file, from the delta's meta)."""
     new = {}
     for name in sorted(prev):
-        if is_averaged(method, name):
+        if method.is_averaged(name):
             new[name] = add_decoded(prev[name], codec, name, files[SHARED_FILE])
         else:
-            new[name] = add_decoded_rows(prev[name], [(expert_files[f]["rows"], files[f]) for f in sorted(expert_files)],
+            new[name] = add_decoded_rows(prev[name], [(expert_rows[f], files[f]) for f in sorted(expert_rows)],
                                          codec, name)
     return new

@@ -1,11 +1,14 @@
-"""Aggregation arithmetic, one tensor at a time, on the nodes' decoded deltas (theta_i - global r-1).
+"""The sync methods as objects: who trains what, what is averaged, how the global model changes, when experts
+merge. Everything that differs between SPES and its baselines is here, behind one interface; the rest of
+the code asks the method instead of comparing its name.
 
-- spes: shared (non-expert) tensors = prev + mean over the nodes present of their deltas (optionally
-  token-weighted); each expert = prev + its owner's delta (absent owners: unchanged). Expert rows are
-  handled by spes/round/aggregator.py with the codec, since they are taken, not averaged.
+- spes: each node trains the shared parameters and its own experts (contiguous blocks, or spes.ownership);
+  shared tensors = prev + mean over the nodes present of their deltas (optionally token-weighted); each
+  expert = prev + its owner's delta (absent owners: unchanged); the expert-merging warm-up while alpha > 0.
+- fedavg: every node trains everything; prev + mean(delta_i).
+- centralized: fedavg on one node with num_nodes x batch_size sequences per step (the same tokens per step).
 - diloco: every node trains everything; the pseudo-gradient is -mean(delta_i); an outer SGD step (Nesterov
   momentum by default: lr 0.7, momentum 0.9 as in DiLoCo) gives the new global.
-- fedavg / centralized: prev + mean(delta_i) (one node: its own model).
 Sums run in fp32 in a fixed node order, so a retried aggregation gives the same bits.
 """
 from __future__ import annotations
@@ -13,6 +16,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from spes.config.ownership import Ownership
+from spes.config.schema import SpesConfig
+from spes.errors import ConfigError
+from spes.model.names import is_expert_param
+from spes.sync.merging import merge_alpha, merge_due
 
 
 def node_weights(tokens: list[int], token_weighted: bool) -> list[float]:
@@ -46,12 +55,105 @@ def outer_step(mean_delta: torch.Tensor, momentum_buf: Optional[torch.Tensor], l
     return -lr * step, buf
 
 
-def global_change(method: str, deltas: list[torch.Tensor], weights: list[float], momentum_buf=None, *,
-                  outer_lr: float = 0.7, outer_momentum: float = 0.9, outer_nesterov: bool = True):
-    """(change to an averaged tensor, new outer momentum or None) for the method."""
-    mean = weighted_sum(deltas, weights)
-    if method == "diloco":
-        return outer_step(mean, momentum_buf, outer_lr, outer_momentum, outer_nesterov)
-    if method in ("spes", "fedavg", "centralized"):
-        return mean, None
-    raise ValueError(f"unknown aggregation method {method!r}")
+class SyncMethod:
+    """FedAvg's behaviour; the other methods override what differs."""
+
+    name = "fedavg"
+    sparse_experts = False
+    """Each node trains only its own experts (and uploads only their rows)."""
+    keeps_outer_state = False
+    """The aggregator keeps per-tensor state across rounds (DiLoCo's momentum)."""
+
+    def __init__(self, s: SpesConfig):
+        self.s = s
+
+    @property
+    def nodes(self) -> int:
+        """Nodes that train."""
+        return self.s.num_nodes
+
+    @property
+    def node_batch_size(self) -> int:
+        """Sequences per optimizer step on each training node."""
+        return self.s.batch_size
+
+    def ownership(self, num_experts: int) -> Ownership:
+        """Which node trains which experts."""
+        return Ownership.everyone_owns_all(num_experts, self.nodes)
+
+    def owned(self, node: int, num_experts: int) -> tuple[int, ...]:
+        return self.ownership(num_experts).owned(node) if num_experts else ()
+
+    def is_averaged(self, name: str) -> bool:
+        """Whether the new value of canonical tensor `name` is a mean over nodes (else: taken from its owner)."""
+        return True
+
+    def global_change(self, deltas: list[torch.Tensor], weights: list[float], outer_state=None):
+        """(change to an averaged tensor, new outer state or None) from the nodes' decoded deltas."""
+        return weighted_sum(deltas, weights), None
+
+    def merge_alpha(self, step: int, num_experts: int) -> float:
+        """The expert-merging alpha applied at sync `step` (0 = no merging this round)."""
+        return 0.0
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name})"
+
+
+class FedAvg(SyncMethod):
+    pass
+
+
+class Centralized(SyncMethod):
+    """The num_nodes-node run it is compared with, done by one node with num_nodes x batch_size."""
+
+    name = "centralized"
+
+    @property
+    def nodes(self) -> int:
+        return 1
+
+    @property
+    def node_batch_size(self) -> int:
+        return self.s.batch_size * self.s.num_nodes
+
+
+class DiLoCo(SyncMethod):
+    name = "diloco"
+
+    @property
+    def keeps_outer_state(self) -> bool:
+        return self.s.outer_momentum > 0
+
+    def global_change(self, deltas, weights, outer_state=None):
+        return outer_step(weighted_sum(deltas, weights), outer_state, self.s.outer_lr, self.s.outer_momentum,
+                          self.s.outer_nesterov)
+
+
+class Spes(SyncMethod):
+    name = "spes"
+    sparse_experts = True
+
+    def ownership(self, num_experts: int) -> Ownership:
+        return Ownership.plan(num_experts, self.nodes, self.s.ownership)
+
+    def is_averaged(self, name: str) -> bool:
+        return not is_expert_param(name)
+
+    def merge_alpha(self, step: int, num_experts: int) -> float:
+        m = self.s.merge
+        if not (m.enabled and num_experts > 0):
+            return 0.0
+        alpha = merge_alpha(step, m.alpha_start, m.decay_steps)
+        return alpha if merge_due(step, m.interval, alpha) else 0.0
+
+
+METHODS = {cls.name: cls for cls in (Spes, FedAvg, Centralized, DiLoCo)}
+
+
+def sync_method(s: SpesConfig) -> SyncMethod:
+    """The method `spes.method` names, bound to the run's SPES settings."""
+    try:
+        return METHODS[s.method](s)
+    except KeyError:
+        raise ConfigError(f"spes.method must be one of {sorted(METHODS)}, got {s.method!r}") from None

@@ -20,9 +20,9 @@ import math
 import re
 from typing import Optional
 
-from spes.config.ownership import ownership_for
 from spes.config.schema import ModelConfig, SpesConfig
-from spes.model.transformer import canonical_shapes, is_expert_param
+from spes.model.names import canonical_shapes, is_expert_param
+from spes.sync.methods import sync_method
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 F32, I64 = 4, 8
@@ -30,7 +30,7 @@ F32, I64 = 4, 8
 
 def node_memory(cfg: ModelConfig, s: SpesConfig, node: int = 0) -> dict:
     """Parameter counts and bytes of node `node` (gradients and two Adam moments in fp32 for what it trains)."""
-    own = ownership_for(s.method, cfg.num_experts, s.nodes, s.ownership).owned(node) if cfg.is_moe else ()
+    own = sync_method(s).owned(node, cfg.num_experts)
     trainable = frozen = 0
     for name, shape in canonical_shapes(cfg).items():
         n = math.prod(shape)
@@ -107,7 +107,7 @@ def autocast_weight_copies(cfg: ModelConfig, m: dict, frozen_dtype: str, checkpo
 def plan_node(cfg: ModelConfig, s: SpesConfig, node: int, ranks: int = 1) -> dict:
     """The node's memory per rank: parameters, gradients, optimizer state, activations of one micro-batch."""
     m = node_memory(cfg, s, node)
-    micro = s.micro_batch_size or s.node_batch_size // ranks
+    micro = s.micro_batch_size or sync_method(s).node_batch_size // ranks
     for ckpt in (False, True):
         act = activation_bytes(cfg, micro, s.seq_len, ckpt, s.autocast)
         if s.autocast:
@@ -135,7 +135,7 @@ def report(cfg: ModelConfig, s: SpesConfig, ranks: int, gpu_mem: Optional[int]) 
     lines = [f"model: {sum(math.prod(v) for v in canonical_shapes(cfg).values()):,} parameters; micro-batch "
              f"{full['micro_batch']} x {s.seq_len} tokens per rank, {ranks} rank(s) per node"]
     rows: dict[str, list[int]] = {}
-    for i in range(s.nodes):
+    for i in range(sync_method(s).nodes):
         m = plan_node(cfg, s, i, ranks)
         fits = "" if gpu_mem is None else (" fits" if m["peak_bytes"] <= gpu_mem else " DOES NOT FIT") + \
             f" in {gpu_mem / gib:.0f} GiB"

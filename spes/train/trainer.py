@@ -15,11 +15,11 @@ from typing import Iterable, Optional
 
 import torch
 
-from spes.config.ownership import ownership_for
 from spes.config.schema import OptimConfig, SpesConfig
 from spes.model.losses import decayed_lb_factor
 from spes.model.moe import MoE
 from spes.model.transformer import CausalLM, ModelOutput
+from spes.sync.methods import sync_method
 from spes.train.devices import autocast
 
 
@@ -188,7 +188,7 @@ def build_node_trainer(s: SpesConfig, model: CausalLM, node: int) -> NodeTrainer
     """The trainer of node `node` under the run's settings: its own experts (by `spes.ownership` or contiguous
     blocks; every expert for the baselines) trainable, the others frozen in `spes.frozen_dtype`."""
     cfg = model.cfg
-    own = ownership_for(s.method, cfg.num_experts, s.nodes, s.ownership).owned(node) if cfg.is_moe else ()
+    own = sync_method(s).owned(node, cfg.num_experts)
     model.activation_checkpointing = s.activation_checkpointing == "block"
     if s.compile:
         for block in model.model.layers:

@@ -47,6 +47,7 @@ def moto_process(monkeypatch):
         proc.wait()
 
 
+@pytest.mark.s3
 def test_a_paused_s3_endpoint_fails_in_bounded_time_with_each_retry_logged(moto_process, caplog):
     endpoint, proc = moto_process
     import s3fs

@@ -9,7 +9,7 @@ from spes.errors import ConfigError
 from spes.round.aggregator import aggregate_round
 from spes.run.layout import MODEL_FILE
 from spes.sync.deltas import EXPERTS_FILE, SHARED_FILE
-from tests.spes.test_rounds import make_params, start
+from tests.spes.round.test_round import make_params, start
 
 
 def params(tmp_path, name, ranks, batch=4, micro=1):
@@ -47,13 +47,13 @@ def test_two_ranks_equal_one_rank_with_the_whole_batch(two_ranks, tmp_path, tiny
     p1 = params(tmp_path, "one", ranks=1)
     run1 = start(p1)
     meta1 = node0(p1, run1, 1, tiny_tokens)
-    assert metas2[0]["ranks"] == 2 and meta1["ranks"] == 1 and metas2[0]["tokens"] == meta1["tokens"]
-    assert metas2[0]["losses"] == pytest.approx(meta1["losses"], rel=1e-5)
+    assert metas2[0].upload.ranks == 2 and meta1.upload.ranks == 1 and metas2[0].tokens == meta1.tokens
+    assert metas2[0].upload.losses == pytest.approx(meta1.upload.losses, rel=1e-5)
     a, b = upload(run2, 1), upload(run1, 1)
     for f in (SHARED_FILE, EXPERTS_FILE):
         for name, t in b[f].items():  # fp32 deltas: the updates agree to rounding (and Adam's eps)
             assert (a[f][name] - t).abs().max() <= 1e-3 * p1.spes.optim.lr, name
-    assert metas2[0]["expert_load"] == meta1["expert_load"]
+    assert metas2[0].upload.expert_load == meta1.upload.expert_load
 
 
 def test_a_resumed_two_rank_node_equals_an_uninterrupted_one(two_ranks, tmp_path, tiny_tokens):

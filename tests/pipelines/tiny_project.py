@@ -6,7 +6,8 @@ import yaml
 
 from spes.config.loader import load_params
 from spes.model.transformer import CausalLM
-from spes.run.run import InitModel, Run, settings_fingerprint
+from spes.run.identity import InitModel, settings_fingerprint
+from spes.run.run import Run
 from spes.storage.store import Store
 
 PARAMS = {
@@ -22,7 +23,8 @@ INIT_SEED = 0
 
 def make_project(root, tokens: str) -> None:
     shutil.copytree(tokens, root / "artifacts" / "tokens")
-    p = dict(PARAMS, artifacts_dir=str(root / "artifacts"), storage={"url": str(root / "storage")})
+    # keep_rounds 3: every round of these 3-round runs stays whole, so tests can resume from any of them
+    p = dict(PARAMS, artifacts_dir=str(root / "artifacts"), storage={"url": str(root / "storage"), "keep_rounds": 3})
     p["orchestration"] = dict(PARAMS["orchestration"], node_cache_dir=str(root / "node-cache"))
     (root / "params.yaml").write_text(yaml.safe_dump(p))
 

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from spes.config.loader import load_params, overrides_between, params_from_dict, to_dict, validate
+from spes.config.loader import flatten, load_params, overrides_between, params_from_dict, to_dict, validate
 from spes.config.schema import Params, check_name
 from spes.errors import ConfigError
 from tests.conftest import ROOT
@@ -103,3 +103,11 @@ def test_includes(tmp_path):
     (tmp_path / "c.yaml").write_text("include: missing.yaml\n")
     with pytest.raises(ConfigError, match=r"params file not found: .*missing.yaml \(included by"):
         load_params(str(tmp_path / "c.yaml"))
+
+
+def test_the_schema_defaults_are_the_embedded_defaults():
+    """One source of defaults: a unit test's Params() computes what `dvc repro` on params.yaml computes
+    (compare.variants aside: a dict default would be merged into, not replaced)."""
+    schema, file = flatten(to_dict(Params())), flatten(to_dict(load_params(os.path.join(ROOT, "params.yaml"))))
+    differ = {k: (schema.get(k), v) for k, v in file.items() if schema.get(k) != v and not k.startswith("compare.variants")}
+    assert not differ

@@ -1,7 +1,9 @@
 import pytest
 
-from spes.config.ownership import Ownership, ownership_for
+from spes.config.ownership import Ownership
+from spes.config.schema import SpesConfig
 from spes.errors import OwnershipError
+from spes.sync.methods import sync_method
 
 
 def test_contiguous_blocks():
@@ -23,8 +25,8 @@ def test_explicit_map_is_checked():
 
 
 def test_ownership_for_methods():
-    assert ownership_for("spes", 4, 2, None).owned(1) == (2, 3)
-    assert ownership_for("spes", 4, 2, [[3], [0, 1, 2]]).owned(0) == (3,)
-    assert ownership_for("diloco", 4, 2, None).owned(1) == (0, 1, 2, 3)
+    assert sync_method(SpesConfig(num_nodes=2)).owned(1, 4) == (2, 3)
+    assert sync_method(SpesConfig(num_nodes=2, ownership=[[3], [0, 1, 2]])).owned(0, 4) == (3,)
+    assert sync_method(SpesConfig(method="diloco", num_nodes=2)).owned(1, 4) == (0, 1, 2, 3)
     with pytest.raises(OwnershipError, match="lists 3 nodes but spes.num_nodes is 2"):
-        ownership_for("spes", 4, 2, [[0], [1, 2], [3]])
+        sync_method(SpesConfig(num_nodes=2, ownership=[[0], [1, 2], [3]])).ownership(4)

@@ -70,6 +70,7 @@ def test_an_unreachable_hub_dataset_fails_in_one_line(monkeypatch):
         docs_of(dataset="no-such-org/no-such-data")
 
 
+@pytest.mark.s3
 def test_s3_corpus(monkeypatch):
     from moto.server import ThreadedMotoServer
 

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from spes.model.transformer import CausalLM, canonical_shapes
+from spes.model.names import canonical_shapes
+from spes.model.transformer import CausalLM
 from tests.conftest import tiny_config
 
 

@@ -10,14 +10,15 @@ from spes.model.transformer import CausalLM
 from spes.round.aggregator import aggregate_round
 from spes.round.fetch import delta_files
 from spes.round.node import node_round, node_state_root
+from spes.run.identity import InitModel, settings_fingerprint
 from spes.run.layout import MODEL_FILE
 from spes.run.node_state import NodeStateDir
-from spes.run.run import InitModel, Run, settings_fingerprint
+from spes.run.run import Run
 from spes.storage.store import Store
 from spes.storage.tensorio import tensors_sha256
 from spes.sync.codecs import make_codec
 from spes.sync.deltas import EXPERTS_FILE, SHARED_FILE, apply_delta
-from spes.sync.methods import weighted_sum
+from spes.sync.methods import sync_method, weighted_sum
 from tests.conftest import tiny_config
 
 
@@ -63,16 +64,17 @@ def test_every_node_rebuilds_the_committed_global_bit_for_bit(tmp_path, data, co
     c = make_codec(codec)
     for r in (1, 2, 3):
         metas, agg = do_round(p, run, data, r)
-        assert agg["merged"] == (r == 2)
+        assert agg.merged == (r == 2)
         dm = run.store.read_manifest(run.layout.delta_dir(r))
-        rebuilt = apply_delta(_global(run, r - 1), c, "spes", delta_files(run.store, run.layout, r, dm),
-                              dm["meta"]["expert_files"])
+        rows = {f: ref["rows"] for f, ref in dm["meta"]["expert_files"].items()}
+        rebuilt = apply_delta(_global(run, r - 1), c, sync_method(p.spes), delta_files(run.store, run.layout, r, dm),
+                              rows)
         committed_sha = run.store.read_manifest(run.layout.global_dir(r))["files"][MODEL_FILE]["sha256"]
         assert tensors_sha256(rebuilt) == committed_sha == dm["meta"]["global_sha256"]
         refs = dm["meta"]["expert_files"]
         assert sorted(refs) == ["experts-000.safetensors", "experts-001.safetensors"]
         if r == 2:  # merging changed every expert: each owner's merged rows are in the delta itself
-            assert all("source" not in ref and name in dm["files"] for name, ref in refs.items())
+            assert all(ref["source"] is None and name in dm["files"] for name, ref in refs.items())
         else:  # the owners' uploads are the delta of their rows: referred to, not copied
             assert [ref["source"] for ref in refs.values()] == [run.layout.node_dir(r, i) for i in (0, 1)]
             assert set(dm["files"]) == {SHARED_FILE}
@@ -100,8 +102,8 @@ def test_spes_aggregation_exact_and_downloads_skip_own_experts(tmp_path, data):
     dm = run.store.read_manifest(run.layout.delta_dir(1))
     shared, refs = dm["files"][SHARED_FILE]["bytes"], dm["meta"]["expert_files"]
     other, own = refs["experts-001.safetensors"]["bytes"], refs["experts-000.safetensors"]["bytes"]
-    assert metas[0]["bytes_down"] < model_bytes  # the delta minus its own experts, not the whole model
-    assert shared + other <= metas[0]["bytes_down"] < shared + other + own
+    assert metas[0].bytes_down < model_bytes  # the delta minus its own experts, not the whole model
+    assert shared + other <= metas[0].bytes_down < shared + other + own
 
 
 def test_a_retried_node_round_is_idempotent(tmp_path, data):
@@ -111,7 +113,7 @@ def test_a_retried_node_round_is_idempotent(tmp_path, data):
     before = run.store.read_manifest(run.layout.node_dir(1, 0))
     again = node_round(p, run.store, "r", 1, 0, data)
     assert run.store.read_manifest(run.layout.node_dir(1, 0)) == before  # not recomputed, not rewritten
-    assert {k: again[k] for k in again if k != "seconds_save"} == {k: first[k] for k in again if k != "seconds_save"}
+    assert again.upload == first.upload and again.bytes_up == first.bytes_up
 
 
 def test_quorum_and_a_node_that_misses_a_round(tmp_path, data):
@@ -122,13 +124,13 @@ def test_quorum_and_a_node_that_misses_a_round(tmp_path, data):
     with pytest.raises(QuorumError, match=r"round 2: only nodes \[0\] committed, quorum is 2 of 2"):
         aggregate_round(p, run.store, "r", 2)
     agg = aggregate_round(p, run.store, "r", 2, min_nodes=1)
-    assert (agg["contributors"], agg["missing"]) == ([0], [1])
-    assert agg["node_states"]["1"]["round"] == 1  # node 1 continues from its round-1 state
+    assert (agg.contributors, agg.missing) == ([0], [1])
+    assert agg.node_states[1].round == 1  # node 1 continues from its round-1 state
     g1, g2 = _global(run, 1), _global(run, 2)
-    if not agg["merged"]:
+    if not agg.merged:
         assert torch.equal(g2["model.layers.0.mlp.experts.down_proj"][2:], g1["model.layers.0.mlp.experts.down_proj"][2:])
     metas, agg3 = do_round(p, run, data, 3)
-    assert agg3["contributors"] == [0, 1] and metas[1]["state"]["round"] == 3
+    assert agg3.contributors == [0, 1] and metas[1].upload.state.round == 3
 
 
 def _reference(tmp_path, data, rounds=3, **kw):
@@ -165,7 +167,7 @@ def test_a_corrupt_upload_is_left_out_under_the_quorum(tmp_path, data):
     m = tmp_path / "s-storage/runs/r/rounds/000001/nodes/001/experts.safetensors"
     m.write_bytes(m.read_bytes()[:-1] + b"\x00")
     agg = aggregate_round(p, run.store, "r", 1, min_nodes=1)
-    assert agg["contributors"] == [0] and "experts.safetensors" in agg["rejected"]["1"]
+    assert agg.contributors == [0] and "experts.safetensors" in agg.rejected[1]
 
 
 def test_a_delta_against_another_base_is_rejected(tmp_path, data):

@@ -1,9 +1,12 @@
 """A node's local state: found by digest, foreign or damaged states refused, checkpoint as fallback."""
+import dataclasses
+
 import pytest
 import torch
 
 from spes.errors import NodeStateError
 from spes.run.node_state import NodeStateDir
+from spes.run.records import StateRef
 from spes.storage.store import Store
 
 
@@ -15,7 +18,7 @@ def test_state_by_digest_from_here_or_the_checkpoint(tmp_path):
     shared = Store(str(tmp_path / "shared"))
     d = NodeStateDir(str(tmp_path / "local"), shared.url, "run", "id-1", 0)
     saved = _save(d, 3)
-    ref = {"round": 3, "digest": saved["digest"], "checkpoint": True}
+    ref = StateRef(3, saved["digest"], True)
     st = d.load_state(ref, shared, "ckpt")
     assert (st.round, st.data_position, st.residual["w"].tolist()) == (3, 7, [0.5, 0.5]) and d.has_state(ref)
     shared.write_bundle("ckpt", saved["files"], saved["meta"])  # what a checkpoint round writes
@@ -23,16 +26,16 @@ def test_state_by_digest_from_here_or_the_checkpoint(tmp_path):
     assert not d.has_state(ref)
     assert d.load_state(ref, shared, "ckpt").source.endswith("ckpt")
     with pytest.raises(NodeStateError, match=r"state after round 3 .* not in .*000003 nor in the checkpoint"):
-        d.load_state({**ref, "digest": "0" * 64}, shared, "ckpt")
+        d.load_state(dataclasses.replace(ref, digest="0" * 64), shared, "ckpt")
     with pytest.raises(NodeStateError, match="round 3 is no checkpoint round"):
-        d.load_state({**ref, "checkpoint": False}, shared, "ckpt")
+        d.load_state(dataclasses.replace(ref, checkpoint=False), shared, "ckpt")
 
 
 def test_foreign_or_damaged_state_is_refused(tmp_path):
     shared = Store(str(tmp_path / "shared"))
     mine = NodeStateDir(str(tmp_path / "local"), shared.url, "run", "id-1", 0)
     saved = _save(mine, 2)
-    ref = {"round": 2, "digest": saved["digest"], "checkpoint": False}
+    ref = StateRef(2, saved["digest"], False)
     other = NodeStateDir(str(tmp_path / "local"), shared.url, "run", "id-1", 1)
     other.local.write_bundle("rounds/000002", saved["files"], saved["meta"])  # node 0's state in node 1's folder
     with pytest.raises(NodeStateError, match="state of run id-1 node 0, not of run id-1 node 1"):

@@ -6,21 +6,44 @@ import torch
 
 from spes.config.loader import to_dict
 from spes.config.schema import Params
-from spes.errors import RunMismatch, StorageError
+from spes.errors import ProtocolError, RunMismatch
 from spes.model.transformer import CausalLM
+from spes.run import identity
+from spes.run.identity import InitModel, fingerprint_of, legacy_fingerprint, settings_fingerprint
 from spes.run.layout import MODEL_FILE
-from spes.run.run import InitModel, Run, fingerprint_of, settings_fingerprint
+from spes.run.records import RECORD_VERSION, GlobalMeta, NodeReport, RoundRecord, RunIndex, StateRef
+from spes.run.run import Run, next_index
 from spes.storage.store import Store
 from tests.conftest import tiny_config
 
 
-def test_new_settings_at_their_default_keep_runs_resumable():
+def test_new_settings_at_their_neutral_value_keep_runs_resumable(monkeypatch):
     p = Params()
     p.spes.sync_steps = 77
     now = to_dict(p)
     older = copy.deepcopy(now)
     del older["spes"]["autocast"], older["spes"]["merge"]["top_k"]  # as written by a release without them
-    assert fingerprint_of(older) == settings_fingerprint(p)
+    assert fingerprint_of(older) != settings_fingerprint(p)  # every resolved key counts ...
+    monkeypatch.setattr(identity, "ADDED_LATER", {"spes.autocast": None, "spes.merge.top_k": 4})
+    assert fingerprint_of(older) == settings_fingerprint(p)  # ... but a key added later, at its neutral value
+    p.spes.merge.top_k = 2
+    assert fingerprint_of(older) != settings_fingerprint(p)
+
+
+def test_a_run_from_before_fingerprint_versions_stays_resumable(tmp_path):
+    """Such a run hashed only what differed from the schema defaults of its time."""
+    p = Params()
+    p.spes.sync_steps = 20  # the old default: not in its fingerprint
+    run = Run(Store(str(tmp_path)), "r")
+    run.ensure("x", _init())
+    info = run.store.read_manifest(run.layout.info)["meta"]
+    run.store.remove(run.layout.info)  # rewrite it as an old release did: no fingerprint_version
+    run.store.write_bundle(run.layout.info, {}, {k: v for k, v in info.items() if k != "fingerprint_version"}
+                           | {"fingerprint": legacy_fingerprint(p)})
+    run.ensure(settings_fingerprint(p), None, legacy=legacy_fingerprint(p))
+    p.spes.sync_steps = 21
+    with pytest.raises(RunMismatch):
+        run.ensure(settings_fingerprint(p), None, legacy=legacy_fingerprint(p))
 
 
 def test_fingerprint_tracks_what_changes_the_run():
@@ -42,7 +65,7 @@ def _init(seed=0):
 
 def test_ensure_creates_round_zero_and_refuses_other_settings_or_init(tmp_path):
     run = Run(Store(str(tmp_path)), "r")
-    with pytest.raises(StorageError, match="does not exist .* no init model"):
+    with pytest.raises(ProtocolError, match="does not exist .* no init model"):
         run.ensure("fp1", None)
     run.ensure("fp1", _init())
     info = run.info()
@@ -64,11 +87,12 @@ def test_resolve_start_and_supersede(tmp_path):
     run = Run(Store(str(tmp_path)), "r")
     run.ensure("fp", _init())
     for r in (1, 2, 3):
-        run.store.write_bundle(run.layout.global_dir(r), {MODEL_FILE: {"w": torch.zeros(1)}}, {"round": r})
+        run.store.write_bundle(run.layout.global_dir(r), {MODEL_FILE: {"w": torch.zeros(1)}},
+                               GlobalMeta(r, r, {}).to_json())
     assert run.resolve_start("latest") == 4 and run.resolve_start(None) == 4
-    with pytest.raises(StorageError, match=r"round 7 is not committed \(committed: \[0, 1, 2, 3\]\)"):
+    with pytest.raises(ProtocolError, match=r"round 7 is not committed \(committed: \[0, 1, 2, 3\]\)"):
         run.resolve_start(7)
-    with pytest.raises(StorageError, match="resume_round must be"):
+    with pytest.raises(ProtocolError, match="resume_round must be"):
         run.resolve_start("soon")
     assert run.resolve_start(1) == 2
     assert run.committed_rounds() == [0, 1]
@@ -78,18 +102,22 @@ def test_resolve_start_and_supersede(tmp_path):
 
 def test_records(tmp_path):
     run = Run(Store(str(tmp_path)), "r")
-    run.write_record(2, {"round": 2, "wall_s": 1.5})
-    run.write_record(2, {"round": 2, "wall_s": 9.9})  # a retried round task keeps the first record
-    assert run.records(1, 3) == [{"round": 2, "wall_s": 1.5}]
+    def record(wall):
+        return RoundRecord(2, wall, 1.0, [NodeReport(0, "timeout")], GlobalMeta(2, 4, {}))
+
+    run.write_record(2, record(1.5))
+    run.write_record(2, record(9.9))  # a retried round task keeps the first record
+    assert run.records(1, 3) == [record(1.5)]
+    assert run.records(1, 3)[0].to_json()["version"] == RECORD_VERSION
 
 
-def _synthetic_run(tmp_path, refs_by_round):
+def _synthetic_run(tmp_path, refs_by_round, retain=None):
     """Globals 0..n with the given node_states; {round: {node: (state round, checkpoint)}}."""
     from spes.run.node_state import state_digest
 
     run = Run(Store(str(tmp_path)), "r")
     run.ensure("fp", _init())
-    digests = {}
+    digests, index = {}, RunIndex()
     for r in sorted(refs_by_round):
         states = {}
         for node, (sr, ckpt) in refs_by_round[r].items():
@@ -101,11 +129,14 @@ def _synthetic_run(tmp_path, refs_by_round):
                 else:
                     m = {"meta": meta, "files": {"optim.safetensors": {"sha256": f"local-{sr}-{node}"}}}
                 digests[(sr, node)] = state_digest(m)
-            states[str(node)] = {"round": sr, "digest": digests[(sr, node)], "checkpoint": ckpt}
+            states[node] = StateRef(sr, digests[(sr, node)], ckpt)
+        index = next_index(index, r, states)
         run.store.write_bundle(run.layout.node_dir(r, 0), {"shared.safetensors": {"d": torch.zeros(1)}}, {})
         run.store.write_bundle(run.layout.global_dir(r), {MODEL_FILE: {"w": torch.zeros(1)}},
-                               {"round": r, "node_states": states})
-        run.write_record(r, {"round": r})
+                               GlobalMeta(r, r, {}, node_states=states, index=index).to_json())
+        run.write_record(r, RoundRecord(r, 1.0, 1.0, [], GlobalMeta(r, r, {})))
+        if retain is not None:
+            run.retire(r, *retain)
     return run
 
 
@@ -113,9 +144,9 @@ def test_resumable_rounds_and_resume_resolution(tmp_path):
     run = _synthetic_run(tmp_path, {1: {0: (1, False), 1: (1, False)}, 2: {0: (2, True), 1: (2, True)},
                                     3: {0: (3, False), 1: (2, True)}, 4: {0: (4, False), 1: (4, False)}})
     assert run.resumable_rounds(lambda i, ref: False) == [0, 2]
-    assert run.resumable_rounds(lambda i, ref: ref["round"] >= 3) == [0, 2, 3, 4]
+    assert run.resumable_rounds(lambda i, ref: ref.round >= 3) == [0, 2, 3, 4]
     assert run.resumable_rounds(None) == [0, 2, 4]  # nodes elsewhere: the latest counts (they keep it)
-    with pytest.raises(StorageError, match=r"round 3 is not resumable.*\(resumable: \[0, 2\]\)"):
+    with pytest.raises(ProtocolError, match=r"round 3 is not resumable.*\(resumable: \[0, 2\]\)"):
         run.resolve_start(3, lambda i, ref: False)
     assert run.resolve_start("latest", lambda i, ref: False) == 3  # says which, sets 3 and 4 aside
     assert run.committed_rounds() == [0, 1, 2]
@@ -123,23 +154,23 @@ def test_resumable_rounds_and_resume_resolution(tmp_path):
 
 def test_retention_keeps_what_a_resume_needs(tmp_path):
     # node 1 misses rounds 4-6: the later globals still need its checkpointed round-3 state
-    run = _synthetic_run(tmp_path, {1: {0: (1, False), 1: (1, False)}, 2: {0: (2, True), 1: (2, True)},
-                                    3: {0: (3, False), 1: (3, True)}, 4: {0: (4, False), 1: (3, True)},
-                                    5: {0: (5, False), 1: (3, True)}, 6: {0: (6, False), 1: (3, True)}})
-    before = run.resumable_rounds(lambda i, ref: False)
-    assert run.prune(2) == [1, 3, 4]
+    refs = {1: {0: (1, False), 1: (1, False)}, 2: {0: (2, True), 1: (2, True)},
+            3: {0: (3, False), 1: (3, True)}, 4: {0: (4, False), 1: (3, True)},
+            5: {0: (5, False), 1: (3, True)}, 6: {0: (6, False), 1: (3, True)}}
+    before = _synthetic_run(tmp_path / "all", refs).resumable_rounds(lambda i, ref: False)
+    run = _synthetic_run(tmp_path, refs, retain=(2, None))  # rounds 1, 3, 4 dropped as they left the window
     assert run.committed_rounds() == [0, 2, 5, 6]
     assert run.resumable_rounds(lambda i, ref: False) == before == [0, 2]
     assert run.store.is_committed(run.layout.state_dir(3, 1))  # needed by rounds 5 and 6
     assert run.store.is_committed(run.layout.state_dir(2, 0))
     assert [r for r in range(1, 7) if run.store.list_names(f"{run.layout.round_dir(r)}/nodes")] == [5, 6]
-    assert [rec["round"] for rec in run.records(1, 6)] == [1, 2, 3, 4, 5, 6]  # records stay
-    assert run.prune(None) == []
+    assert [rec.round for rec in run.records(1, 6)] == [1, 2, 3, 4, 5, 6]  # records stay
+    assert run.retire(6, None) == []
 
 
 def test_retention_of_checkpoint_rounds_can_be_bounded(tmp_path):
-    run = _synthetic_run(tmp_path, {r: {i: (r, True) for i in (0, 1)} for r in range(1, 7)})
-    assert run.resumable_rounds(lambda i, ref: False) == [0, 1, 2, 3, 4, 5, 6]
-    assert run.prune(1, keep_checkpoints=2) == [1, 2, 3, 4]
+    refs = {r: {i: (r, True) for i in (0, 1)} for r in range(1, 7)}
+    assert _synthetic_run(tmp_path / "all", refs).resumable_rounds(lambda i, ref: False) == [0, 1, 2, 3, 4, 5, 6]
+    run = _synthetic_run(tmp_path, refs, retain=(1, 2))
     assert run.committed_rounds() == [0, 5, 6]
     assert [r for r in range(1, 7) if run.store.list_names(f"{run.layout.round_dir(r)}/states")] == [5, 6]

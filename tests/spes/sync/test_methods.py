@@ -1,8 +1,41 @@
-"""Aggregation arithmetic per tensor, exact."""
+"""The sync methods: who trains what, what is averaged, the aggregation arithmetic (exact), merging."""
 import pytest
 import torch
 
-from spes.sync.methods import global_change, node_weights, outer_step, weighted_sum
+from spes.config.schema import SpesConfig
+from spes.errors import ConfigError
+from spes.sync.methods import Centralized, DiLoCo, FedAvg, Spes, node_weights, outer_step, sync_method, weighted_sum
+
+
+def method(name, **kw):
+    return sync_method(SpesConfig(method=name, num_nodes=2, **kw))
+
+
+def global_change(name, deltas, weights, buf=None, **outer):
+    kw = {k.removeprefix("outer_"): v for k, v in outer.items()}
+    return method(name, **{f"outer_{k}": v for k, v in kw.items()}).global_change(deltas, weights, buf)
+
+
+def test_each_method_is_an_object_with_its_own_rules():
+    assert [type(method(n)) for n in ("spes", "fedavg", "centralized", "diloco")] == [Spes, FedAvg, Centralized, DiLoCo]
+    with pytest.raises(ConfigError, match="spes.method must be one of"):
+        method("gossip")
+    spes, central = method("spes", batch_size=8), method("centralized", batch_size=8)
+    assert (spes.nodes, spes.node_batch_size, central.nodes, central.node_batch_size) == (2, 8, 1, 16)
+    assert spes.owned(1, 4) == (2, 3) and method("fedavg").owned(1, 4) == (0, 1, 2, 3)
+    expert, shared = "model.layers.0.mlp.experts.down_proj", "model.layers.0.mlp.gate.weight"
+    assert (spes.is_averaged(expert), spes.is_averaged(shared), method("fedavg").is_averaged(expert)) == (False, True, True)
+    assert spes.sparse_experts and not method("diloco").sparse_experts
+    assert method("diloco").keeps_outer_state and not method("diloco", outer_momentum=0.0).keeps_outer_state
+
+
+def test_merging_only_for_spes_when_due():
+    s = method("spes")  # params.yaml's merge settings: interval 50, alpha 0.05 decaying to 0 at step 200
+    assert s.merge_alpha(50, 8) == pytest.approx(0.05 * (1 - 50 / 200)) and s.merge_alpha(60, 8) == 0.0
+    assert s.merge_alpha(200, 8) == 0.0 and s.merge_alpha(0, 8) == 0.0 and s.merge_alpha(50, 0) == 0.0
+    assert method("fedavg").merge_alpha(50, 8) == 0.0
+    s.s.merge.enabled = False
+    assert s.merge_alpha(50, 8) == 0.0
 
 
 def test_weights_and_mean():

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from spes.config.schema import ModelConfig, SpesConfig
-from spes.model.transformer import CausalLM, canonical_shapes
+from spes.model.names import canonical_shapes
+from spes.model.transformer import CausalLM
 from spes.train.plan import activation_bytes, node_memory, parse_bytes, plan_node, report, saved_activation_bytes
 from tests.conftest import tiny_config
 

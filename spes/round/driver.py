@@ -1,0 +1,88 @@
+"""One sync round with its policy, whatever runs the nodes (Prefect tasks, processes, a test's loop):
+
+    run_nodes(all nodes)  ->  aggregate (an upload that fails verification: its node runs again, once)
+        ->  held-out loss of the committed global (when due)  ->  the round's record  ->  retention
+
+The Prefect flow (pipelines/round.py), the tests and the benchmarks all call `run_round`, so what they test
+and measure is the real round.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable, Optional
+
+from spes.config.schema import Params
+from spes.data.tokens import TokenData
+from spes.errors import QuorumError, UploadsRejected
+from spes.eval.heldout import heldout_loss
+from spes.run.records import GlobalMeta, NodeReport, RoundRecord
+from spes.run.run import Run
+from spes.sync.methods import sync_method
+
+log = logging.getLogger("spes.round")
+
+NodeRunner = Callable[[list[int], bool], dict[int, NodeReport]]
+"""(nodes, checkpoint) -> each node's report; a node that failed or timed out reports that status."""
+Aggregate = Callable[[bool], GlobalMeta]
+"""(rerun_rejected) -> the committed global's meta (raises UploadsRejected when asked to)."""
+
+
+def checkpoint_due(p: Params, r: int, stage_last: int) -> bool:
+    """Nodes also write their state to shared storage at this round: every checkpoint.every_rounds, and at
+    the last round of a stage and of the run (a resume from any machine can start there)."""
+    return r % p.checkpoint.every_rounds == 0 or r == stage_last or r == p.spes.rounds
+
+
+def heldout_due(p: Params, r: int) -> bool:
+    return bool(p.eval.every_rounds) and r % p.eval.every_rounds == 0
+
+
+class HeldOutProbe:
+    """Held-out loss of committed globals on the first eval.round_batches batches of the held-out split."""
+
+    def __init__(self, p: Params, tokens_dir: Optional[str] = None):
+        self.p = p
+        self.tokens_dir = tokens_dir or os.path.join(p.artifacts_dir, "tokens")
+        self._data: Optional[TokenData] = None
+
+    def __call__(self, run: Run, r: int) -> float:
+        if self._data is None:
+            self._data = TokenData.open(self.tokens_dir)
+        e = self.p.eval
+        model, _ = run.load_model(r)
+        return heldout_loss(model, self._data.val, e.batch_size, e.seq_len, e.round_batches)["loss"]
+
+
+def run_round(p: Params, run: Run, r: int, run_nodes: NodeRunner, aggregate: Aggregate, checkpoint: bool,
+              heldout: Optional[Callable[[Run, int], float]] = None) -> RoundRecord:
+    """Round r from start to record (see the module docstring); returns its record."""
+    t0 = time.time()
+    rows = run_nodes(list(range(sync_method(p.spes).nodes)), checkpoint)
+    try:
+        try:
+            agg = aggregate(True)
+        except UploadsRejected as e:  # a committed upload failed verification: that node's failure; run it again
+            log.error("round %d: %s; re-running nodes %s", r, e, sorted(e.nodes))
+            rows.update(run_nodes(sorted(e.nodes), checkpoint))
+            agg = aggregate(False)
+    except QuorumError as e:  # say why the missing nodes are missing
+        causes = [f"node {n.node}: {n.status}" + (f" ({n.error})" if n.error else "")
+                  for _, n in sorted(rows.items()) if not n.ok]
+        raise QuorumError(f"{e}" + (f"; {'; '.join(causes)}" if causes else "")) from None
+    wall = time.time() - t0
+    loss, heldout_s = None, 0.0
+    if heldout is not None and heldout_due(p, r):
+        t1 = time.time()
+        loss = heldout(run, r)
+        heldout_s = time.time() - t1
+    reports = [rows[i] for i in sorted(rows)]
+    record = RoundRecord(round=r, wall_s=wall, max_node_compute_s=max((n.seconds_compute for n in reports), default=0.0),
+                         nodes=reports, aggregate=agg, heldout_loss=loss, heldout_s=heldout_s,
+                         tokens=sum(n.tokens for n in reports))
+    run.write_record(r, record)
+    dropped = run.retire(r, p.storage.keep_rounds, p.checkpoint.keep_last)
+    if dropped:
+        log.info("retention: models of rounds %s deleted (records kept)", dropped)
+    return record

@@ -1,0 +1,123 @@
+"""A run's identity: the fingerprint of the settings that define its maths, and its initial model.
+
+The fingerprint hashes the fully resolved sections model, init, spes, sync, tokenize, data and dense, every
+key, defaults included: changing a default in the schema changes the fingerprint of every run that relied on
+it, so no run resumes across a change of its maths. Two lists keep it honest over releases:
+
+- NOT_IN_FINGERPRINT: implementation choices that leave the maths alone (like the device and storage);
+- ADDED_LATER: keys added after runs existed, with the value that reproduces the old behaviour; a key at
+  that value is left out, so runs made before it existed keep their fingerprint and stay resumable.
+
+Runs made before fingerprints had a version (their info has no `fingerprint_version`) hashed only the
+values that differed from the schema defaults of that time; `legacy_fingerprint` recomputes that hash with
+those defaults, so such runs stay resumable too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from spes.config.loader import flatten, to_dict
+from spes.config.schema import ModelConfig, Params
+from spes.errors import IntegrityError, ProtocolError
+from spes.model.names import canonical_shapes
+from spes.storage.tensorio import tensors_sha256
+
+FINGERPRINT_VERSION = 2
+FINGERPRINT_SECTIONS = ("model", "init", "spes", "sync", "tokenize", "data", "dense")
+NOT_IN_FINGERPRINT = {"model.experts_impl"}
+"""Implementation choices that leave the maths alone."""
+ADDED_LATER: dict[str, Any] = {}
+"""Keys added after fingerprint version 2, each with its neutral value (the behaviour before it existed)."""
+LEGACY_DEFAULTS = {"model.norm_topk_prob": False, "model.qk_norm": "full", "spes.merge.interval": 40,
+                   "spes.sync_steps": 20, "spes.warmup_rounds": 5, "spes.rounds": 12, "spes.optim.lr": 3e-3,
+                   "spes.optim.warmup_steps": 20}
+"""Schema defaults (in the fingerprinted sections) before they were made equal to params.yaml's values."""
+
+
+def _hash(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def fingerprint_of(settings: dict) -> str:
+    """Hash of the fully resolved settings that define the maths (see the module docstring)."""
+    flat = {k: v for k, v in flatten({s: settings.get(s, {}) for s in FINGERPRINT_SECTIONS}).items()
+            if k not in NOT_IN_FINGERPRINT and not (k in ADDED_LATER and v == ADDED_LATER[k])}
+    return _hash({"version": FINGERPRINT_VERSION, "settings": flat})
+
+
+def settings_fingerprint(p: Params) -> str:
+    return fingerprint_of(to_dict(p))
+
+
+def _non_default(d: Any, default: Any) -> Any:
+    if isinstance(d, dict) and isinstance(default, dict):
+        out = {k: _non_default(v, default.get(k)) for k, v in d.items() if k not in default or v != default[k]}
+        return {k: v for k, v in out.items() if v != {} or k not in default}
+    return d
+
+
+def legacy_fingerprint(p: Params) -> str:
+    """The fingerprint a run made before fingerprint versions recorded for these settings."""
+    defaults = to_dict(Params())
+    for key, value in LEGACY_DEFAULTS.items():
+        *parents, leaf = key.split(".")
+        node = defaults
+        for k in parents:
+            node = node[k]
+        node[leaf] = value
+    settings, keep = to_dict(p), {}
+    for k in FINGERPRINT_SECTIONS:
+        section = {n: v for n, v in settings.get(k, {}).items() if f"{k}.{n}" not in NOT_IN_FINGERPRINT}
+        keep[k] = _non_default(section, defaults[k])
+    return _hash(keep)
+
+
+@dataclass
+class InitModel:
+    """Round 0 of a run: canonical tensors, the model config they belong to, where they came from."""
+
+    tensors: dict[str, torch.Tensor]
+    model_config: dict
+    source: str
+
+    @property
+    def sha256(self) -> str:
+        """The sha256 of round 0's model file once committed (bundles write tensors sorted by name)."""
+        return tensors_sha256(self.tensors)
+
+    @classmethod
+    def from_state(cls, tensors: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> "InitModel":
+        return cls({k: v.detach().cpu() for k, v in tensors.items()}, dataclasses.asdict(cfg), source)
+
+    @classmethod
+    def load(cls, path: str) -> "InitModel":
+        """The `upcycle` stage's output: `model.safetensors` + `config.json` beside it (checked to match)."""
+        cfg_path = os.path.join(os.path.dirname(path), "config.json")
+        for f in (path, cfg_path):
+            if not os.path.exists(f):
+                raise ProtocolError(f"initial model: {f} does not exist; run the upcycle stage first "
+                                    "(dvc repro upcycle)")
+        try:
+            with open(cfg_path) as f:
+                cfg = json.load(f)
+            model_config = ModelConfig(**cfg["model_config"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise IntegrityError(f"{cfg_path}: not an initial model's config ({type(e).__name__}: {e})") from None
+        try:
+            tensors = load_file(path)
+        except Exception as e:  # not a safetensors file
+            raise IntegrityError(f"{path}: not a safetensors file ({type(e).__name__}: {e})") from None
+        want = canonical_shapes(model_config)
+        got = {k: tuple(v.shape) for k, v in tensors.items()}
+        if got != want:
+            bad = sorted(set(got.items()) ^ set(want.items()))[:3]
+            raise IntegrityError(f"init model {path} does not match its config.json (e.g. {bad})")
+        return cls(tensors, cfg["model_config"], cfg.get("source", "init"))

@@ -1,0 +1,233 @@
+"""The round protocol's metadata as typed, versioned records, read and written in this one place.
+
+    StateRef      which node state a global was built with (in GlobalMeta.node_states)
+    UploadMeta    a node's committed upload (rounds/<r>/nodes/<i>/ manifest meta)
+    NodeReport    what a node reports for a round: its upload meta, every byte it moved, its status
+    DeltaMeta     what nodes download (rounds/<r>/delta/ manifest meta)
+    GlobalMeta    a committed global model (rounds/<r>/global/ manifest meta), with the run's index
+    RunIndex      what resume and retention need, carried forward from global to global (O(1) per round)
+    RoundRecord   how a round went (rounds/<r>/record/ manifest meta)
+
+Each record is a dataclass with `to_json()` and `from_json(d, where)`; `from_json` checks the shape (keys,
+types) and raises RecordError naming the file, so no reader meets a KeyError or a wrong type later.
+`version` is RECORD_VERSION when written; a record without one is version 0 (written before records had
+versions), read the same way where its fields allow.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
+
+from spes.errors import RecordError
+
+RECORD_VERSION = 1
+
+
+def _check(value: Any, hint: Any, where: str, key: str) -> Any:
+    """`value` converted to `hint` (records inside records, int keys of dicts), or RecordError."""
+    origin = get_origin(hint)
+    if origin is Union:
+        args = [a for a in get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        return _check(value, args[0], where, key)
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return hint.from_json(value, where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise RecordError(f"{where}: {key} must be a list, got {type(value).__name__}")
+        (arg,) = get_args(hint) or (Any,)
+        return [_check(v, arg, where, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise RecordError(f"{where}: {key} must be an object, got {type(value).__name__}")
+        kt, vt = get_args(hint) or (Any, Any)
+        out = {}
+        for k, v in value.items():
+            try:
+                kk = int(k) if kt is int else k
+            except ValueError:
+                raise RecordError(f"{where}: {key} has a key {k!r} that is not a number") from None
+            out[kk] = _check(v, vt, where, f"{key}.{k}")
+        return out
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RecordError(f"{where}: {key} must be a number, got {value!r}")
+        return float(value)
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RecordError(f"{where}: {key} must be an integer, got {value!r}")
+        return value
+    if hint in (str, bool) and not isinstance(value, hint):
+        raise RecordError(f"{where}: {key} must be a {hint.__name__}, got {value!r}")
+    return value
+
+
+def _to_json(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return value.to_json()
+    if isinstance(value, list):
+        return [_to_json(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _to_json(v) for k, v in value.items()}
+    return value
+
+
+class Record:
+    """to_json / from_json for a dataclass whose fields are JSON values, lists, dicts or other records."""
+
+    def to_json(self) -> dict:
+        return {f.name: _to_json(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_json(cls, d: Any, where: str):
+        if not isinstance(d, dict):
+            raise RecordError(f"{where}: a {cls.__name__} must be a JSON object, got {type(d).__name__}")
+        hints = get_type_hints(cls)
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name in d:
+                kwargs[f.name] = _check(d[f.name], hints[f.name], where, f.name)
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise RecordError(f"{where}: {cls.__name__} lacks {f.name!r}")
+        version = kwargs.get("version", 0)
+        if version > RECORD_VERSION:
+            raise RecordError(f"{where}: record version {version} is newer than this code's ({RECORD_VERSION})")
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class StateRef(Record):
+    """A node's state after round `round`, by digest; `checkpoint`: also on shared storage."""
+
+    round: int
+    digest: str
+    checkpoint: bool
+
+
+@dataclass
+class UploadMeta(Record):
+    round: int
+    node: int
+    experts: list[int]
+    tokens: int
+    base_round: int
+    base_sha256: str
+    codec: str
+    state: StateRef
+    step_end: int
+    loss_first: float
+    loss_last: float
+    loss_mean: float
+    losses: list[float]
+    expert_load: list
+    ranks: int
+    bytes_down: int
+    seconds_load: float
+    seconds_compute: float
+    device: str
+    peak_bytes: Optional[int] = None
+    bytes_up_files: int = 0
+    version: int = RECORD_VERSION
+
+
+@dataclass
+class NodeReport(Record):
+    """A node's row of a round: 'ok' with its upload's meta and traffic, or 'timeout' / 'failed: ...'."""
+
+    node: int
+    status: str
+    upload: Optional[UploadMeta] = None
+    bytes_up: int = 0
+    seconds_save: float = 0.0
+    error: Optional[str] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok" and self.upload is not None
+
+    @property
+    def bytes_down(self) -> int:
+        return self.upload.bytes_down if self.upload else 0
+
+    @property
+    def tokens(self) -> int:
+        return self.upload.tokens if self.upload else 0
+
+    @property
+    def seconds_compute(self) -> float:
+        return self.upload.seconds_compute if self.upload else 0.0
+
+
+@dataclass
+class ExpertRef(Record):
+    """Where owner j's expert rows of a delta are: in the delta bundle itself (merging rounds), or the owner's
+    upload (`source` bundle, `file`, its sha256 and bytes: the very bytes it sent)."""
+
+    rows: list[int]
+    source: Optional[str] = None
+    file: Optional[str] = None
+    sha256: Optional[str] = None
+    bytes: Optional[int] = None
+
+
+@dataclass
+class DeltaMeta(Record):
+    round: int
+    base_round: int
+    base_sha256: str
+    global_sha256: str
+    codec: str
+    expert_files: dict[str, ExpertRef]
+    merged: bool
+    version: int = RECORD_VERSION
+
+
+@dataclass
+class RunIndex(Record):
+    """Carried forward in every committed global's meta, so resume and retention read one manifest, not every
+    round: the rounds a resume can start from from shared storage alone (every node's state checkpointed;
+    round 0 always), oldest first."""
+
+    storage_resumable: list[int] = field(default_factory=lambda: [0])
+
+
+@dataclass
+class GlobalMeta(Record):
+    round: int
+    step: int
+    model_config: dict
+    method: str = ""
+    source: str = ""
+    contributors: list[int] = field(default_factory=list)
+    missing: list[int] = field(default_factory=list)
+    rejected: dict[int, str] = field(default_factory=dict)
+    merge_alpha: float = 0.0
+    merged: bool = False
+    node_loss: dict[int, float] = field(default_factory=dict)
+    node_states: dict[int, StateRef] = field(default_factory=dict)
+    codec: str = "fp32"
+    seconds_aggregate: float = 0.0
+    index: Optional[RunIndex] = None
+    version: int = RECORD_VERSION
+
+
+@dataclass
+class RoundRecord(Record):
+    round: int
+    wall_s: float
+    max_node_compute_s: float
+    nodes: list[NodeReport]
+    aggregate: GlobalMeta
+    heldout_loss: Optional[float] = None
+    heldout_s: float = 0.0
+    tokens: int = 0
+    version: int = RECORD_VERSION
+
+    def to_json(self) -> dict:
+        d = super().to_json()
+        if d["heldout_loss"] is not None and not math.isfinite(d["heldout_loss"]):
+            d["heldout_loss"] = None  # JSON has no NaN
+        return d

@@ -1,0 +1,88 @@
+"""The round driver: the real round (nodes, aggregation, record, retention) as the flow, tests and benches run it."""
+import pytest
+import torch
+
+from spes.config.schema import Params
+from spes.data.tokens import TokenData
+from spes.errors import QuorumError
+from spes.model.transformer import CausalLM
+from spes.round.aggregator import Aggregator
+from spes.round.driver import HeldOutProbe, checkpoint_due, run_round
+from spes.round.node import node_round
+from spes.run.identity import InitModel, settings_fingerprint
+from spes.run.records import NodeReport
+from spes.run.run import Run
+from spes.storage.store import Store
+from tests.conftest import tiny_config
+
+
+def _params(tmp_path, **spes) -> Params:
+    p = Params(model=tiny_config(vocab_size=512))
+    s = p.spes
+    s.num_nodes, s.sync_steps, s.batch_size, s.seq_len, s.rounds, s.warmup_rounds = 2, 1, 1, 16, 50, 0
+    s.merge.enabled = False
+    for k, v in spes.items():
+        setattr(s, k, v)
+    p.dense.seq_len = p.eval.seq_len = 16
+    p.eval.round_batches, p.eval.batch_size = 1, 2
+    p.storage.url, p.orchestration.device = str(tmp_path / "storage"), "cpu"
+    p.orchestration.node_state_dir = str(tmp_path / "nodes")
+    p.storage.keep_rounds, p.checkpoint.every_rounds, p.checkpoint.keep_last = 2, 5, None
+    return p
+
+
+def _start(p: Params) -> Run:
+    torch.manual_seed(0)
+    run = Run(Store.from_config(p.storage), "r")
+    run.ensure(settings_fingerprint(p), InitModel.from_state(CausalLM(p.model).canonical_state_dict(), p.model, "x"))
+    return run
+
+
+def _nodes(p, run, data, r):
+    def run_nodes(nodes, checkpoint):
+        return {i: node_round(p, run.store, "r", r, i, data, checkpoint=checkpoint) for i in nodes}
+
+    return run_nodes
+
+
+@pytest.fixture(scope="module")
+def data(tiny_tokens):
+    return TokenData.open(tiny_tokens)
+
+
+@pytest.mark.slow
+def test_storage_calls_per_round_do_not_grow_with_the_round_number(tmp_path, data):
+    """Retention, the index of resumable rounds and the records touch a bounded set of rounds: round 50
+    makes as many storage calls as round 5 (both checkpoint rounds, every checkpoint kept)."""
+    p = _params(tmp_path)
+    run = _start(p)
+    agg = Aggregator(p, run.store, "r")
+    calls = {}
+    for r in range(1, 51):
+        before = run.store.calls
+        rec = run_round(p, run, r, _nodes(p, run, data, r), lambda rerun, r=r: agg.aggregate(r, rerun_rejected=rerun),
+                        checkpoint_due(p, r, 50))
+        calls[r] = run.store.calls - before
+        assert rec.aggregate.contributors == [0, 1]
+    print("storage calls per round:", calls)
+    assert abs(calls[50] - calls[5]) <= 0.1 * calls[5], (calls[5], calls[50])
+    assert abs(calls[49] - calls[9]) <= 0.1 * calls[9], (calls[9], calls[49])
+    assert run.index(50).storage_resumable == [0] + list(range(5, 51, 5))
+    assert run.committed_rounds() == [0] + list(range(5, 50, 5)) + [49, 50]  # window + checkpoint rounds
+
+
+def test_a_round_records_what_happened_and_a_missing_quorum_names_the_cause(tmp_path, data):
+    p = _params(tmp_path, rounds=2)
+    run = _start(p)
+    agg = Aggregator(p, run.store, "r")
+    rec = run_round(p, run, 1, _nodes(p, run, data, 1), lambda rerun: agg.aggregate(1, rerun_rejected=rerun),
+                    checkpoint=False, heldout=HeldOutProbe(p, data.folder))
+    assert run.record(1) == rec and rec.heldout_loss is not None and rec.heldout_s > 0
+    assert rec.tokens == 2 * 16 and [n.node for n in rec.nodes] == [0, 1] and all(n.ok for n in rec.nodes)
+
+    def one_fails(nodes, checkpoint):
+        rows = _nodes(p, run, data, 2)([n for n in nodes if n != 1], checkpoint)
+        return {**rows, 1: NodeReport(1, "failed", error="NonFiniteLoss: node 1 round 2: loss is nan at step 1")}
+
+    with pytest.raises(QuorumError, match=r"only nodes \[0\] committed.*; node 1: failed \(NonFiniteLoss: node 1 round 2"):
+        run_round(p, run, 2, one_fails, lambda rerun: agg.aggregate(2, rerun_rejected=rerun), checkpoint=False)
