@@ -8,6 +8,7 @@ files besides the params file itself (deployment nodes re-validate and hold no c
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Optional
 
@@ -164,8 +165,39 @@ def _check_orchestration(p: Params) -> None:
     _need(p.sync.int8_block >= 1, f"sync.int8_block must be >= 1, got {p.sync.int8_block}")
 
 
+def _check_numbers(p: Params) -> None:
+    """Every number finite (YAML reads 1e309 as inf), every seed >= 0 (numpy refuses negative seeds)."""
+    for key, value in flatten(to_dict(p)).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number, got {value}")
+    for key in ("spes.seed", "tokenize.seed", "init.seed", "dense.seed"):
+        section, leaf = key.split(".")
+        value = getattr(getattr(p, section), leaf)
+        _need(value >= 0, f"{key} must be >= 0, got {value}")
+    m = p.model
+    _need(m.rope_theta > 0, f"model.rope_theta must be > 0, got {m.rope_theta}")
+    _need(m.rms_norm_eps >= 0, f"model.rms_norm_eps must be >= 0, got {m.rms_norm_eps}")
+    _need(m.init_std >= 0, f"model.init_std must be >= 0, got {m.init_std}")
+
+
+STORAGE_PROTOCOLS = ("file", "s3")
+"""Where a run can live: the commit protocol needs whole writes and exclusive creates (local files, S3)."""
+
+
+def _check_storage_url(url: str) -> None:
+    proto, sep, rest = url.partition("://")
+    if not sep:
+        return  # a local path
+    _need(proto in STORAGE_PROTOCOLS, f"storage.url {url!r}: protocol {proto!r} is not supported (a local path, "
+                                      "file:// or s3://bucket/prefix)")
+    if proto == "s3":
+        _need(bool(rest.split("/", 1)[0]), f"storage.url {url!r} names no bucket (s3://bucket/prefix)")
+
+
 def validate(p: Params) -> Params:
     """Cross-field checks; raises ConfigError naming the key."""
+    _check_numbers(p)
+    _check_storage_url(p.storage.url)
     _check_model(p)
     _check_training(p)
     _check_stages(p)
@@ -186,8 +218,9 @@ def load_params(path: str = "params.yaml", overrides: Optional[list[str]] = None
     """Read `path` onto the schema, apply `key=value` overrides, validate. One error line on failure."""
     try:
         dotlist = OmegaConf.from_dotlist(list(overrides or []))
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"bad override in {overrides}: {str(e).splitlines()[0]}") from None
+    except (OmegaConfBaseException, yaml.YAMLError, ValueError) as e:  # a value YAML cannot parse: one line
+        raise ConfigError(f"bad override in {overrides}: {type(e).__name__}: "
+                          f"{(getattr(e, 'problem', None) or str(e)).splitlines()[0]}") from None
     return _to_params(*_load_with_includes(path, ()), dotlist, where=f"{path}: ")
 
 
@@ -201,6 +234,8 @@ def _load_with_includes(path: str, seen: tuple[str, ...]) -> list:
         raise ConfigError(f"params file not found: {path}" + (f" (included by {seen[-1]})" if seen else ""))
     try:
         loaded = OmegaConf.load(path)
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text (UTF-8) YAML file") from None
     except yaml.YAMLError as e:  # e.g. a duplicate key (two variants of one name): never silently the last
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""

@@ -331,7 +331,8 @@ class Aggregator:
             rejected=rejected, merge_alpha=attempt.alpha, merged=attempt.merging,
             node_loss={i: uploads[i]["meta"]["loss_mean"] for i in uploads}, node_states=states,
             codec=p.sync.codec, seconds_aggregate=time.perf_counter() - t0,
-            index=next_index(prev_meta.index or Run(store, self.run).index(r - 1), r, states))
+            index=next_index(prev_meta.index or Run(store, self.run).index(r - 1), r, states),
+            run_id=prev_meta.run_id, fingerprint=prev_meta.fingerprint)
         glob.commit(meta.to_json())
         self._held = ((r, new_sha), attempt.new_model)
         return meta

@@ -211,6 +211,9 @@ class GlobalMeta(Record):
     codec: str = "fp32"
     seconds_aggregate: float = 0.0
     index: Optional[RunIndex] = None
+    run_id: str = ""
+    """The run's identity, carried in every global so a lost info bundle can be rebuilt (with `fingerprint`)."""
+    fingerprint: str = ""
     version: int = RECORD_VERSION
 
 

@@ -52,10 +52,29 @@ class Run:
                               "run_id")
         return meta
 
-    def _write_info(self, fingerprint: str, init_sha: str) -> None:
+    def _write_info(self, fingerprint: str, init_sha: str, run_id: str) -> None:
         self.store.write_bundle(self.layout.info, {}, {"fingerprint": fingerprint, "init_sha256": init_sha,
                                                        "fingerprint_version": FINGERPRINT_VERSION,
-                                                       "run_id": uuid.uuid4().hex, "created_at": time.time()})
+                                                       "run_id": run_id, "created_at": time.time()})
+
+    def _rebuild_info(self) -> Optional[dict]:
+        """A run with committed rounds whose info bundle is gone keeps its identity: the latest global carries
+        its run id and fingerprint. Without them (a run from before globals carried them) it stops, naming
+        the file, rather than taking a new identity its nodes' states would not match."""
+        latest = self.latest_round()
+        if latest is None or latest == 0:
+            return None
+        meta = self.global_meta(latest)
+        if not (meta.run_id and meta.fingerprint):
+            raise ProtocolError(f"{self.store.url}/{self.layout.info} is missing, and global {latest} does not record "
+                                "the run's identity; restore the info bundle (or start another run_name)")
+        log.warning("run %s: %s/%s was missing; rebuilt from global %d (run id %s)", self.name, self.store.url,
+                    self.layout.info, latest, meta.run_id[:12])
+        self.store.write_bundle(self.layout.info, {}, {"fingerprint": meta.fingerprint, "init_sha256": self._round0_sha(),
+                                                       "fingerprint_version": FINGERPRINT_VERSION,
+                                                       "run_id": meta.run_id, "created_at": time.time(),
+                                                       "rebuilt_from_round": latest})
+        return self.info()
 
     def _round0_sha(self) -> Optional[str]:
         try:
@@ -70,7 +89,7 @@ class Run:
         other settings or another initial model. `legacy`: the fingerprint a run made before fingerprint
         versions would have recorded for these settings (identity.legacy_fingerprint)."""
         init_sha = init.sha256 if init is not None else None
-        info = self.info()
+        info = self.info() or self._rebuild_info()
         if info is not None:
             same_settings = info["fingerprint"] == fingerprint or (
                 "fingerprint_version" not in info and legacy is not None and info["fingerprint"] == legacy)
@@ -83,13 +102,17 @@ class Run:
                                   "orchestration.run_name or restart it")
             moved = self.supersede_after(-1, include_info=True)
             log.warning("settings changed: rounds %s of run %s moved to superseded/", moved, self.name)
+        run_id = uuid.uuid4().hex
         if self._round0_sha() is None:
             if init is None:
                 raise ProtocolError(f"run {self.name!r} does not exist on {self.store.url} and no init model was "
                                     "given")
-            meta = GlobalMeta(round=0, step=0, model_config=init.model_config, source=init.source, index=RunIndex())
+            meta = GlobalMeta(round=0, step=0, model_config=init.model_config, source=init.source, index=RunIndex(),
+                              run_id=run_id, fingerprint=fingerprint)
             self.store.write_bundle(self.layout.global_dir(0), {MODEL_FILE: init.tensors}, meta.to_json())
-        self._write_info(fingerprint, self._round0_sha())
+        else:
+            run_id = self.global_meta(0).run_id or run_id  # a round 0 committed by whoever started the run
+        self._write_info(fingerprint, self._round0_sha(), run_id)
 
     # -- rounds ------------------------------------------------------------------------------------
     def _round_names(self) -> list[int]:

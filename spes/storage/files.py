@@ -8,15 +8,16 @@ business (spes/storage/store.py).
 """
 from __future__ import annotations
 
+import os
 import posixpath
 import time
 from typing import Any, BinaryIO, Callable, Optional
 
 import fsspec
 
-from spes.errors import StoreUnavailable, UnsafePath
+from spes.errors import StorageError, StoreUnavailable, UnsafePath
 from spes.storage.atomic import atomic_create, atomic_write
-from spes.storage.retry import RetryPolicy, is_transient
+from spes.storage.retry import NEVER_RETRIED_NAMES, RetryPolicy, is_transient
 
 
 class FileStore:
@@ -35,6 +36,7 @@ class FileStore:
             ck.setdefault("retries", {"max_attempts": 1})
             opts["config_kwargs"] = ck
         self.fs, root = fsspec.core.url_to_fs(url, **opts)
+        self.options = opts
         if protocol == "s3":
             self.fs.retries = 1  # s3fs's own silent retries (a class attribute); ours log each one
         self.url, self.root, self.protocol = url, root.rstrip("/") or "/", protocol
@@ -43,6 +45,7 @@ class FileStore:
         self.calls = 0  # every storage call (tests bound the calls a round makes)
         if protocol == "file":
             self.fs.makedirs(self.root, exist_ok=True)
+        self.real_root = os.path.realpath(self.root) if protocol == "file" else self.root
 
     @classmethod
     def from_config(cls, storage) -> "FileStore":
@@ -55,7 +58,23 @@ class FileStore:
 
     def _io(self, what: str, fn: Callable, *args, **kwargs):
         self.calls += 1
-        return self.policy.call(what, fn, *args, **kwargs)
+        try:
+            return self.policy.call(what, fn, *args, **kwargs)
+        except Exception as e:
+            if isinstance(e, PermissionError) or {c.__name__ for c in type(e).__mro__} & NEVER_RETRIED_NAMES:
+                raise self._access_error(what, e) from None
+            raise
+
+    def _access_error(self, what: str, e: BaseException) -> StorageError:
+        """Denied, or no credentials: one line naming where, not a traceback (it cannot change on a retry)."""
+        where = self.url
+        endpoint = (self.options.get("endpoint_url") or (self.options.get("client_kwargs") or {}).get("endpoint_url"))
+        if self.protocol == "s3":
+            where = f"bucket {self.root.split('/', 1)[0]!r} ({self.url}) at {endpoint or 'the default AWS endpoint'}"
+            hint = "; check the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE) on this machine"
+        else:
+            hint = "; check the folder's permissions"
+        return StorageError(f"storage {where}: {what}: access denied ({type(e).__name__}: {e}){hint}")
 
     # -- paths -----------------------------------------------------------------------------------
     def path(self, *parts: str) -> str:
@@ -67,6 +86,11 @@ class FileStore:
         full = posixpath.normpath(posixpath.join(self.root, rel))
         if not (full + "/").startswith(self.root.rstrip("/") + "/"):
             raise UnsafePath(f"storage path {rel!r} leaves {self.url}")
+        if self.protocol == "file":  # a symbolic link below the root must not lead out of it
+            real = os.path.realpath(full)
+            if not (real + "/").startswith(self.real_root.rstrip("/") + "/"):
+                raise UnsafePath(f"storage path {rel!r} resolves to {real}, outside the storage root "
+                                 f"{self.real_root} (a symbolic link out of it); refusing to read or write it")
         return full
 
     # -- calls -----------------------------------------------------------------------------------

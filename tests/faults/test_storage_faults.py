@@ -10,7 +10,7 @@ import time
 import pytest
 
 from spes.config.loader import load_params
-from spes.errors import ConfigError, StoreUnavailable, UnsafePath
+from spes.errors import ConfigError, StorageError, StoreUnavailable, UnsafePath
 from spes.storage.store import Store
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -80,3 +80,63 @@ def test_no_write_leaves_the_storage_root(tmp_path):
             store.write_bytes(rel, b"x")
     outside = [p for p in tmp_path.rglob("*") if not str(p).startswith(str(root))]
     assert outside == []
+
+
+def test_no_read_write_or_delete_goes_through_a_link_out_of_the_root(tmp_path):
+    """A run folder, or a lease file, that is a symbolic link to a folder outside the storage root: every
+    write, read and delete through it is refused, naming the path (issue 18, item 6)."""
+    from spes.run.lease import WriterLease
+    from spes.run.run import Run
+
+    root, outside = tmp_path / "storage", tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "victim").write_text("keep me")
+    store = Store(str(root))
+    (root / "runs").mkdir()
+    os.symlink(outside, root / "runs" / "default")
+    with pytest.raises(UnsafePath, match="outside the storage root"):
+        store.write_bytes("runs/default/info/manifest.json", b"x")
+    with pytest.raises(UnsafePath, match="outside the storage root"):
+        store.read_bytes("runs/default/victim")
+    with pytest.raises(UnsafePath, match="outside the storage root"):
+        store.remove("runs/default/victim")
+    with pytest.raises(UnsafePath):
+        Run(store, "default").info()
+    os.makedirs(root / "runs" / "r2")
+    os.symlink(outside, root / "runs" / "r2" / "lease")
+    with pytest.raises(UnsafePath):
+        WriterLease(store, "r2", 60).acquire()
+    assert sorted(os.listdir(outside)) == ["victim"] and (outside / "victim").read_text() == "keep me"
+    store.write_bytes("runs/r3/x", b"inside")  # an ordinary path still works
+    assert store.read_bytes("runs/r3/x") == b"inside"
+
+
+@pytest.mark.s3
+def test_s3_with_wrong_credentials_is_one_line_naming_endpoint_and_bucket(monkeypatch):
+    """Issue 18, item 9: a denied request is not retried and names where it went, not a traceback."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            env=dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT="0"),  # moto checks the keys
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for k, v in (("AWS_ACCESS_KEY_ID", "wrong"), ("AWS_SECRET_ACCESS_KEY", "wrong"), ("AWS_DEFAULT_REGION", "us-east-1")):
+        monkeypatch.setenv(k, v)
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.time() < deadline
+                time.sleep(0.2)
+        endpoint = f"http://127.0.0.1:{port}"
+        store = Store("s3://my-bucket/spes", {"endpoint_url": endpoint}, retries=4)
+        t0 = time.time()
+        with pytest.raises(StorageError) as e:
+            store.write_bytes("runs/x", b"1")
+        assert time.time() - t0 < 10  # not retried
+        msg = str(e.value)
+        assert len(msg.splitlines()) == 1 and "'my-bucket'" in msg and endpoint in msg and "access denied" in msg
+    finally:
+        proc.kill()
+        proc.wait()

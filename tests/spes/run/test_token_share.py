@@ -55,8 +55,8 @@ def test_inconsistent_token_folder_is_not_published(tokens, tmp_path):
         publish_tokens(store, str(bad))
     assert not store.fs.exists(store.path("data"))
     shard.write_bytes(blob[:100] + bytes([blob[100] ^ 1]) + blob[101:])  # same size, other bytes than indexed
-    with pytest.raises(IntegrityError, match="train-000000.bin: sha256 .* differs from its index"):
-        publish_tokens(store, str(bad))
+    with pytest.raises(DataError, match="train-000000.bin: sha256 .* differs from its index"):
+        publish_tokens(store, str(bad))  # opening the folder verifies every shard against its index
     assert not [d for d in store.list_names("data/tokens") if store.is_committed(f"data/tokens/{d}")]
 
 
