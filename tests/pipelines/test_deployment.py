@@ -104,6 +104,7 @@ def _ok(res: subprocess.CompletedProcess, served) -> None:
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:] + (root / "serve.log").read_text()[-5000:]
 
 
+@pytest.mark.slow
 def test_deployment_runs_and_resumes_from_any_round(served):
     root, _, api = served
     pfile = str(root / "params.yaml")
@@ -145,6 +146,7 @@ def test_deployment_resume_from_uncommitted_round_fails_clearly(served):
     assert "round 7 is not committed (committed: [0])" in (root / "serve.log").read_text()
 
 
+@pytest.mark.slow
 def test_straggler_node_deployment_is_cancelled_and_left_out(served):
     root, _, api = served
     pfile = str(root / "params.yaml")

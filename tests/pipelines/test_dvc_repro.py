@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,6 +31,7 @@ def _merge(a, b):
     return a
 
 
+@pytest.mark.slow
 def test_dvc_repro_end_to_end(tmp_path):
     proj = tmp_path / "proj"
     proj.mkdir()

@@ -82,6 +82,7 @@ def test_sigkilled_node_is_retried_and_result_unchanged(project, reference, monk
     assert_same(final_weights(pfile, "killed"), reference)
 
 
+@pytest.mark.slow
 def test_straggler_left_out_with_quorum(project, prefect_server, monkeypatch):
     """3 nodes, node 1 (expert 2) too slow in round 2: left out; the shared parameters are the mean of the two
     nodes present, its expert keeps its previous value, and it rejoins in round 3."""
