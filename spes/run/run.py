@@ -14,7 +14,7 @@ import uuid
 from typing import Callable, Iterable, Optional, Union
 
 from spes.config.schema import ModelConfig
-from spes.errors import NotCommitted, ProtocolError, RecordError, RunMismatch
+from spes.errors import IntegrityError, NotCommitted, ProtocolError, RecordError, RunMismatch
 from spes.model.names import canonical_shapes
 from spes.model.transformer import CausalLM
 from spes.run.identity import FINGERPRINT_VERSION, InitModel
@@ -151,6 +151,29 @@ class Run:
             raise RecordError(f"{self.store.url}/{rel}/manifest.json: its tensors do not fit its model config "
                               f"(e.g. {bad})")
         return meta
+
+    def verify_global(self, r: int) -> GlobalMeta:
+        """check_global, and every byte of the model file against its sha256, parsed as safetensors."""
+        meta = self.check_global(r)
+        self.store.read_bundle(self.layout.global_dir(r), [MODEL_FILE])
+        return meta
+
+    def set_aside_damaged(self) -> list[int]:
+        """While the latest committed round is damaged (its manifest, meta or model file), move it to
+        superseded/ (never deleted): the run continues from the latest intact round. Round 0 is never set
+        aside. Reads one model at a flow's start. Returns the rounds set aside."""
+        moved: list[int] = []
+        while True:
+            latest = self.latest_round()
+            if not latest:
+                return moved
+            try:
+                self.verify_global(latest)
+                return moved
+            except (IntegrityError, RecordError) as e:
+                moved += self.supersede_after(latest - 1)
+                log.warning("run %s: committed round %d is damaged (%s); set aside to %s/superseded/, the run "
+                            "continues after round %d", self.name, latest, e, self.layout.base, latest - 1)
 
     def node_states(self, r: int) -> dict[int, StateRef]:
         """The node states global r was built with."""

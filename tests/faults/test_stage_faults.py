@@ -154,3 +154,15 @@ def test_a_failed_tokenize_leaves_the_token_folder_as_it_was(project):
     assert res.returncode != 0 and "tokenize:" in res.stderr and "Traceback" not in res.stderr
     assert _tree_digest(project / "artifacts/tokens") == before
     assert not [p for p in os.listdir(project / "artifacts") if p.startswith(".tokens")]
+
+
+def test_a_deterministic_node_error_is_not_retried_and_names_its_cause(project):
+    """Issue 18, item 3: a non-finite loss cannot change on a retry: the node runs once, and the stage's last
+    line says which node failed and why, not only that the quorum was missed."""
+    res = stage(project, "stages.rounds", "warmup", "orchestration.run_name=nan", "spes.optim.lr=1e6",
+                "spes.optim.grad_clip=0", "spes.optim.warmup_steps=0", "spes.sync_steps=6", timeout=300)
+    assert res.returncode == 1
+    last = [line for line in res.stderr.splitlines() if line.strip()][-1]
+    assert last.startswith("rounds: QuorumError: round 1: only nodes [] committed") and "NonFiniteLoss" in last, last
+    out = res.stdout + res.stderr
+    assert "Retry 1/" not in out and out.count("failed round 1") == 2  # each node once, no retries
