@@ -117,17 +117,46 @@ def held_out(doc: str, seed: int, val_fraction: float) -> bool:
     return int.from_bytes(h.digest(), "little") < val_fraction * 2.0**64
 
 
-def _batches(docs: Iterable[str], seed: int, val_fraction: float) -> Iterator[tuple[list[str], list[bool]]]:
-    batch, flags, chars = [], [], 0
+MAX_PIECE_CHARS = 1 << 18
+"""Documents longer than this are encoded in pieces of at most this many characters, each cut after the last
+whitespace of its second half (or hard, where there is none): the tokenizer's memory grows far faster than
+a document (a 24 MB line took 5.8 GB), a piece's does not. The pieces' ids are joined into one document
+(one EOS, at its end); tokens only differ from a whole-document encoding at the cuts."""
+
+
+def pieces(doc: str, limit: Optional[int] = None) -> list[str]:
+    """`doc` cut into pieces of at most `limit` (MAX_PIECE_CHARS) characters; [doc] when it fits."""
+    limit = limit or MAX_PIECE_CHARS
+    if len(doc) <= limit:
+        return [doc]
+    out, start = [], 0
+    while len(doc) - start > limit:
+        end = start + limit
+        cut = max(doc.rfind(" ", start + limit // 2, end), doc.rfind("\n", start + limit // 2, end))
+        end = cut + 1 if cut >= 0 else end
+        out.append(doc[start:end])
+        start = end
+    out.append(doc[start:])
+    return out
+
+
+def _batches(docs: Iterable[str], seed: int, val_fraction: float) -> Iterator[tuple[list[str], list[bool], list[bool]]]:
+    """Batches of (pieces, held out, ends its document): a long document's pieces follow each other, maybe
+    across batches."""
+    batch, flags, ends, chars = [], [], [], 0
     for d in docs:
-        batch.append(d)
-        flags.append(held_out(d, seed, val_fraction))
-        chars += len(d)
-        if chars >= BATCH_CHARS:
-            yield batch, flags
-            batch, flags, chars = [], [], 0
+        flag = held_out(d, seed, val_fraction)
+        parts = pieces(d)
+        for k, piece in enumerate(parts):
+            batch.append(piece)
+            flags.append(flag)
+            ends.append(k == len(parts) - 1)
+            chars += len(piece)
+            if chars >= BATCH_CHARS:
+                yield batch, flags, ends
+                batch, flags, ends, chars = [], [], [], 0
     if batch:
-        yield batch, flags
+        yield batch, flags, ends
 
 
 def _prefetch(it: Iterator, depth: int = 2) -> Iterator:
@@ -150,15 +179,18 @@ def _prefetch(it: Iterator, depth: int = 2) -> Iterator:
         yield item
 
 
-def ids_with_eos(encodings, eos_id: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """The documents' ids, each followed by EOS, as one array, and each document's end offset in it."""
+def ids_with_eos(encodings, eos_id: int, dtype: np.dtype, ends: Optional[list[bool]] = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """The pieces' ids as one array, EOS after each piece that ends its document (every piece, by default),
+    and the end offset of each document in it."""
     ids = [e.ids for e in encodings]
-    lens = np.fromiter(map(len, ids), np.int64, len(ids))
-    out = np.empty(int(lens.sum()) + len(ids), dtype=dtype)
-    eos_at = np.cumsum(lens + 1) - 1
+    ends_K = np.ones(len(ids), dtype=bool) if ends is None else np.asarray(ends, dtype=bool)
+    lens = np.fromiter(map(len, ids), np.int64, len(ids)) + ends_K
+    out = np.empty(int(lens.sum()), dtype=dtype)
+    eos_at = (np.cumsum(lens) - 1)[ends_K]
     body = np.ones(len(out), dtype=bool)
     body[eos_at] = False
-    out[body] = np.fromiter(itertools.chain.from_iterable(ids), dtype, count=int(lens.sum()))
+    out[body] = np.fromiter(itertools.chain.from_iterable(ids), dtype, count=int(body.sum()))
     out[eos_at] = eos_id
     return out, eos_at + 1
 
@@ -171,7 +203,7 @@ def tokenize_corpus(docs: Iterable[str], out_dir: str, vocab_size: int, tokenize
     docs = iter(docs)
     if tokenizer is None:
         sample = list(itertools.islice(docs, bpe_sample_docs))
-        tok = LoadedTokenizer(train_bpe(sample, vocab_size), 0, 0)
+        tok = LoadedTokenizer(train_bpe([p for d in sample for p in pieces(d)], vocab_size), 0, 0)
         tok.eos_id, tok.vocab = tok.tokenizer.token_to_id(EOS), tok.tokenizer.get_vocab_size()
         docs = itertools.chain(sample, docs)
         del sample
@@ -186,15 +218,21 @@ def tokenize_corpus(docs: Iterable[str], out_dir: str, vocab_size: int, tokenize
     encode = getattr(tok.tokenizer, "encode_batch_fast", tok.tokenizer.encode_batch)
     bar = _progress(progress)
     t0, n_tokens = time.perf_counter(), 0
+    carry = {"train": np.zeros(0, dtype), "val": np.zeros(0, dtype)}  # a long document's pieces so far
     try:
-        for batch, flags in _prefetch(_batches(docs, seed, val_fraction)):
+        for batch, flags, ends in _prefetch(_batches(docs, seed, val_fraction)):
             encs = encode(batch, add_special_tokens=False)
             for split, want in (("train", False), ("val", True)):
-                sel = [e for e, f in zip(encs, flags) if f == want]
+                sel = [(e, end) for e, f, end in zip(encs, flags, ends) if f == want]
                 if sel:
-                    arr, ends = ids_with_eos(sel, tok.eos_id, dtype)
-                    writers[split].add(arr, ends)
-                    n_tokens += len(arr)
+                    arr, doc_ends = ids_with_eos([e for e, _ in sel], tok.eos_id, dtype, [end for _, end in sel])
+                    if len(carry[split]):
+                        arr, doc_ends = np.concatenate([carry[split], arr]), doc_ends + len(carry[split])
+                    done = int(doc_ends[-1]) if len(doc_ends) else 0
+                    carry[split] = arr[done:]
+                    if len(doc_ends):
+                        writers[split].add(arr[:done], doc_ends)
+                    n_tokens += len(arr) - len(carry[split])
             if bar is not None:
                 bar.update(len(batch))
                 bar.set_postfix(tokens=n_tokens, tok_per_s=f"{n_tokens / (time.perf_counter() - t0):.3g}")
