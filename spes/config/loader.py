@@ -22,6 +22,7 @@ from spes.config.schema import (
     DATA_ORDERS,
     DEVICE_PATTERN,
     EXPERTS_IMPLS,
+    LOSS_IMPLS,
     METHODS,
     OptimConfig,
     Params,
@@ -69,6 +70,8 @@ def _check_model(p: Params) -> None:
     _need(m.lb_loss_coef >= 0 and m.z_loss_coef >= 0 and m.lm_head_z_loss_coef >= 0,
           "model.lb_loss_coef, model.z_loss_coef and model.lm_head_z_loss_coef must be >= 0")
     _need(m.z_loss_reduction in ("sum", "mean"), f"model.z_loss_reduction must be sum|mean, got {m.z_loss_reduction!r}")
+    _need(m.loss_impl in LOSS_IMPLS, f"model.loss_impl must be one of {'|'.join(LOSS_IMPLS)}, got {m.loss_impl!r}")
+    _need(m.loss_chunk_tokens >= 1, f"model.loss_chunk_tokens must be >= 1, got {m.loss_chunk_tokens}")
     _need(m.experts_impl in EXPERTS_IMPLS, f"model.experts_impl must be one of {EXPERTS_IMPLS}, got {m.experts_impl!r}")
 
 

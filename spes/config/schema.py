@@ -24,6 +24,11 @@ METHODS = ("spes", "diloco", "fedavg", "centralized")
 CODECS = ("fp32", "bf16", "int8")
 DATA_ORDERS = ("epoch", "random_windows")
 QK_NORMS = ("full", "head", "none")
+LOSS_IMPLS = ("plain", "chunked")
+TRAINING_FIELDS = ("lb_loss_coef", "z_loss_coef", "z_loss_reduction", "lm_head_z_loss_coef", "loss_impl",
+                   "loss_chunk_tokens", "experts_impl")
+"""ModelConfig fields that are training settings, not architecture: a node takes them from the run's params,
+not from the model config recorded with the initial model (see model_for_training)."""
 
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 """Names that become folder names on storage (run names, variant names): no '/', no leading '.'."""
@@ -71,6 +76,12 @@ class ModelConfig:
     router and they are added) or 'mean' over layers (num_layers times weaker)."""
     lm_head_z_loss_coef: float = 0.0
     """Weight of the LM-head z-loss mean(logsumexp(logits)^2); the reference uses 1e-5. 0 = off."""
+    loss_impl: str = "plain"
+    """How the LM head and the loss compute in training: 'plain' (the full logits, B x S x V) or 'chunked'
+    (spes.model.losses.chunked_linear_cross_entropy: the logits of `loss_chunk_tokens` tokens at a time,
+    recomputed in the backward pass; loss and gradients equal the plain path within fp32 rounding, memory
+    for the loss a chunk's). An implementation choice, not part of the maths: not in the run fingerprint."""
+    loss_chunk_tokens: int = 4096
     experts_impl: str = "auto"
     """How the experts compute: 'auto' (torch grouped_mm where it has a kernel, else Triton on CUDA, else a
     loop), or one of 'grouped_mm', 'triton', 'loop' pinned (tests and benchmarks compare them). An
@@ -83,6 +94,14 @@ class ModelConfig:
     @property
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
+
+
+def model_for_training(recorded: dict, params_model: "ModelConfig") -> "ModelConfig":
+    """The architecture recorded with a run's model, with the training settings of the run's params: a
+    variant's loss coefficients (or loss implementation) take effect instead of round 0's."""
+    import dataclasses
+
+    return dataclasses.replace(ModelConfig(**recorded), **{k: getattr(params_model, k) for k in TRAINING_FIELDS})
 
 
 @dataclass

@@ -47,3 +47,60 @@ def decayed_lb_factor(step: int, total_steps: int, start: float = 0.7, end: floa
     """Own-expert load-balance factor: linear start -> end over the first `ramp_fraction` of training."""
     ramp = max(1.0, ramp_fraction * total_steps)
     return start + (end - start) * min(1.0, step / ramp)
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    """The LM head and the loss together, chunk by chunk over tokens: a chunk's logits exist only while it is
+    processed, in the forward and again (recomputed) in the backward, so the loss never holds N x V logits.
+    Returns (mean cross-entropy over the labelled tokens, mean logsumexp(logits)^2 over all tokens)."""
+
+    @staticmethod
+    def forward(ctx, h_ND, w_VD, labels_N, chunk: int, ignore_index: int):
+        N = h_ND.shape[0]
+        lse_N = torch.empty(N, dtype=torch.float32, device=h_ND.device)
+        ce_sum = torch.zeros((), dtype=torch.float32, device=h_ND.device)
+        w = w_VD.to(h_ND.dtype)
+        for s in range(0, N, chunk):
+            logits_CV = (h_ND[s:s + chunk] @ w.t()).float()
+            lse_C = torch.logsumexp(logits_CV, dim=-1)
+            y_C = labels_N[s:s + chunk]
+            valid_C = y_C != ignore_index
+            target_C = logits_CV.gather(1, torch.where(valid_C, y_C, 0)[:, None]).squeeze(1)
+            ce_sum += torch.where(valid_C, lse_C - target_C, 0.0).sum()
+            lse_N[s:s + chunk] = lse_C
+        n_valid = (labels_N != ignore_index).sum().clamp_min(1)
+        ctx.save_for_backward(h_ND, w_VD, labels_N, lse_N, n_valid)
+        ctx.chunk, ctx.ignore_index = chunk, ignore_index
+        return ce_sum / n_valid, lse_N.square().mean()
+
+    @staticmethod
+    def backward(ctx, g_ce, g_z):
+        h_ND, w_VD, labels_N, lse_N, n_valid = ctx.saved_tensors
+        N, chunk = h_ND.shape[0], ctx.chunk
+        w = w_VD.to(h_ND.dtype)
+        grad_h = torch.empty_like(h_ND)
+        grad_w = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device)
+        scale_ce, scale_z = g_ce.float() / n_valid, g_z.float() * 2.0 / N
+        for s in range(0, N, chunk):
+            h_CD = h_ND[s:s + chunk]
+            logits_CV = (h_CD @ w.t()).float()
+            lse_C, y_C = lse_N[s:s + chunk], labels_N[s:s + chunk]
+            valid_C = y_C != ctx.ignore_index
+            p_CV = torch.exp(logits_CV - lse_C[:, None])
+            # d ce/d logits = (softmax - onehot) / n_valid on labelled tokens; d z/d logits = 2 lse softmax / N
+            d_CV = p_CV * (scale_ce * valid_C[:, None] + scale_z * lse_C[:, None])
+            rows = torch.arange(len(y_C), device=y_C.device)[valid_C]
+            d_CV[rows, y_C[valid_C]] -= scale_ce
+            grad_h[s:s + chunk] = (d_CV.to(h_CD.dtype) @ w).to(grad_h.dtype)
+            grad_w += d_CV.t() @ h_CD.float()
+        return grad_h, grad_w.to(w_VD.dtype), None, None, None
+
+
+def chunked_linear_cross_entropy(h_ND: torch.Tensor, w_VD: torch.Tensor, labels_N: torch.Tensor, chunk: int,
+                                 ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cross-entropy of h @ w^T against labels, LM-head z-loss mean(logsumexp(h @ w^T)^2)), equal to the plain
+    path (F.cross_entropy on the full logits) within fp32 rounding, with peak memory for the loss of a
+    chunk x V block instead of N x V (spes/train/plan.py counts it)."""
+    if chunk < 1:
+        raise ValueError(f"loss chunk must be >= 1 tokens, got {chunk}")
+    return _ChunkedLinearCE.apply(h_ND, w_VD, labels_N, chunk, ignore_index)

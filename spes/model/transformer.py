@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from spes.config.schema import ModelConfig
-from spes.model.losses import grouped_load_balance_loss, load_balance_loss, router_z_loss
+from spes.model.losses import chunked_linear_cross_entropy, grouped_load_balance_loss, load_balance_loss, router_z_loss
 from spes.model.moe import MoE
 from spes.model.names import canonical_shapes, expert_tensor, is_chunk_param
 
@@ -120,7 +120,7 @@ class Backbone(nn.Module):
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor
+    logits: Optional[torch.Tensor]  # None when the loss was computed chunked (model.loss_impl: chunked)
     loss: Optional[torch.Tensor] = None  # ce + lb_coef * lb + z_coef * z (+ lm-head z-loss)
     ce: Optional[torch.Tensor] = None
     lb: Optional[torch.Tensor] = None
@@ -163,17 +163,27 @@ class CausalLM(nn.Module):
                 x, r = layer(x, cos, sin)
             if r is not None:
                 routers.append(r)
-        logits = self.lm_head(self.model.norm(x))
-        out = ModelOutput(logits=logits)
+        h = self.model.norm(x)
+        if labels_BS is not None and self.cfg.loss_impl == "chunked":  # the loss without the B x S x V logits
+            out = ModelOutput(logits=None)
+            out.ce, z_head = chunked_linear_cross_entropy(h.reshape(B * S, -1), self.lm_head.weight,
+                                                          labels_BS.reshape(-1), self.cfg.loss_chunk_tokens)
+            out.loss = out.ce
+            if self.cfg.lm_head_z_loss_coef > 0:
+                out.loss = out.loss + self.cfg.lm_head_z_loss_coef * z_head
+        else:
+            logits = self.lm_head(h)
+            out = ModelOutput(logits=logits)
+            if labels_BS is not None:
+                logits32 = logits.float()
+                out.ce = F.cross_entropy(logits32.reshape(-1, logits.shape[-1]), labels_BS.reshape(-1))
+                out.loss = out.ce
+                if self.cfg.lm_head_z_loss_coef > 0:  # keeps the output logits from drifting (reference: 1e-5)
+                    out.loss = out.loss + self.cfg.lm_head_z_loss_coef * torch.logsumexp(logits32, dim=-1).square().mean()
         if routers:
             out.expert_counts_LE = torch.stack([r.counts_E for r in routers]).detach()
         if labels_BS is None:
             return out
-        logits32 = logits.float()
-        out.ce = F.cross_entropy(logits32.reshape(-1, logits.shape[-1]), labels_BS.reshape(-1))
-        out.loss = out.ce
-        if self.cfg.lm_head_z_loss_coef > 0:  # keeps the output logits from drifting (reference: 1e-5)
-            out.loss = out.loss + self.cfg.lm_head_z_loss_coef * torch.logsumexp(logits32, dim=-1).square().mean()
         if routers:
             k = self.cfg.top_k
             if B % lb_groups:

@@ -11,12 +11,11 @@ import dataclasses
 
 import torch
 
-from spes.config.schema import ModelConfig
+from spes.config.schema import TRAINING_FIELDS, ModelConfig
 from spes.errors import UpcycleError
 from spes.model.transformer import CausalLM
 
-MOE_FIELDS = ("num_experts", "top_k", "norm_topk_prob", "lb_loss_coef", "z_loss_coef", "z_loss_reduction",
-              "lm_head_z_loss_coef", "experts_impl")
+MOE_FIELDS = ("num_experts", "top_k", "norm_topk_prob") + TRAINING_FIELDS
 """What upcycling adds to a dense architecture (and training-only settings a checkpoint does not carry);
 every other field must agree with the dense model."""
 

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from spes.config.schema import ModelConfig, Params
+from spes.config.schema import Params, model_for_training
 from spes.data.tokens import BatchStream, TokenData
 from spes.errors import NonFiniteLoss, ProtocolError, StorageError
 from spes.model.transformer import CausalLM
@@ -144,7 +144,7 @@ def train(p: Params, r: int, node: int, data: TokenData, prev: dict, model_confi
     s, method = p.spes, sync_method(p.spes)
     rank, ranks = rank_and_size()
     device = resolve_device(p.orchestration.device, node * ranks + rank)
-    model = CausalLM(ModelConfig(**model_config))
+    model = CausalLM(model_for_training(model_config, p.model))
     model.load_canonical_state_dict(prev)
     trainer = build_node_trainer(s, model.to(device), node)
     if optim:

@@ -32,7 +32,7 @@ from spes.storage.tensorio import tensors_sha256
 
 FINGERPRINT_VERSION = 2
 FINGERPRINT_SECTIONS = ("model", "init", "spes", "sync", "tokenize", "data", "dense")
-NOT_IN_FINGERPRINT = {"model.experts_impl"}
+NOT_IN_FINGERPRINT = {"model.experts_impl", "model.loss_impl", "model.loss_chunk_tokens"}
 """Implementation choices that leave the maths alone."""
 ADDED_LATER: dict[str, Any] = {}
 """Keys added after fingerprint version 2, each with its neutral value (the behaviour before it existed)."""

@@ -75,8 +75,9 @@ def saved_activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, che
     router_losses = (cfg.num_experts + 1) * F32 * T if cfg.is_moe else 0  # z-loss: router logits, their lse
     # token ids, final norm (its input, rsqrt, normalized, the lm head's input), log-softmax of the logits,
     # RoPE's cos and sin (shared by the layers)
-    top = T * (I64 + (2 * D + 1) * F32 + D * act + V * F32 + (V * act if autocast else 0)) \
-        + 2 * seq_len * cfg.dim_per_head * F32
+    # the loss keeps the log-softmax of the logits (plain), or only their logsumexp (chunked)
+    loss = F32 if cfg.loss_impl == "chunked" else V * F32 + (V * act if autocast else 0)
+    top = T * (I64 + (2 * D + 1) * F32 + D * act + loss) + 2 * seq_len * cfg.dim_per_head * F32
     blocks = 0 if checkpointing else L * block_activation_bytes(cfg, T, act)
     return L * (T * D * F32 + router_losses) + blocks + top
 
@@ -85,13 +86,17 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, checkpoin
                      autocast: Optional[str] = None) -> int:
     """Peak activation memory of one micro-batch's forward and backward: what autograd keeps, the logits
     the forward returns, and the backward's largest working set: the loss's gradient over the vocabulary
-    (two T x V fp32 tensors) or, with checkpointing, a recomputed block and its gradients."""
+    (two T x V fp32 tensors; with model.loss_impl chunked, three chunk x V ones) or, with checkpointing, a
+    recomputed block and its gradients."""
     T = micro_batch * seq_len
     act = F32 if autocast is None else 2
-    working = 2 * T * cfg.vocab_size * F32
+    if cfg.loss_impl == "chunked":  # no logits returned; the backward holds one chunk's logits, softmax, gradient
+        returned, working = 0, 3 * min(cfg.loss_chunk_tokens, T) * cfg.vocab_size * F32
+    else:
+        returned, working = T * cfg.vocab_size * act, 2 * T * cfg.vocab_size * F32
     if checkpointing:
         working = max(working, 2 * block_activation_bytes(cfg, T, act))
-    return saved_activation_bytes(cfg, micro_batch, seq_len, checkpointing, autocast) + T * cfg.vocab_size * act + working
+    return saved_activation_bytes(cfg, micro_batch, seq_len, checkpointing, autocast) + returned + working
 
 
 def autocast_weight_copies(cfg: ModelConfig, m: dict, frozen_dtype: str, checkpointing: bool) -> int:

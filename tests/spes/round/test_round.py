@@ -210,3 +210,17 @@ def test_non_finite_loss_stops_the_node_and_commits_nothing(tmp_path, data):
     with pytest.raises(NonFiniteLoss, match=r"node 0 round 1: (loss is nan at step \d|.* is not finite after step 5)"):
         node_round(p, run.store, "r", 1, 0, data)
     assert not run.store.exists(run.layout.node_dir(1, 0))
+
+
+def test_loss_settings_come_from_the_runs_params_not_round_zeros_config(tmp_path, data):
+    """A variant's loss coefficients take effect (the architecture comes from the run's model, the training
+    settings from its params): z-loss coefficients of 0.5 give another upload than the default."""
+    shas = []
+    for name, coef in (("a", None), ("b", 0.5)):
+        p = make_params(tmp_path, name=name)
+        run = start(p)  # round 0 records the default coefficients
+        if coef is not None:
+            p.model.z_loss_coef = p.model.lm_head_z_loss_coef = coef
+        node_round(p, run.store, "r", 1, 0, data)
+        shas.append(run.store.read_manifest(run.layout.node_dir(1, 0))["files"]["shared.safetensors"]["sha256"])
+    assert shas[0] != shas[1]

@@ -45,7 +45,8 @@ def saved_bytes(cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool 
 
 
 @pytest.mark.parametrize("changes", [dict(qk_norm="head"), dict(qk_norm="full", num_kv_heads=2),
-                                     dict(qk_norm="none", num_experts=0), dict(num_experts=8, top_k=1)])
+                                     dict(qk_norm="none", num_experts=0), dict(num_experts=8, top_k=1),
+                                     dict(loss_impl="chunked", loss_chunk_tokens=16)])
 @pytest.mark.parametrize("batch,seq_len", [(2, 48), (1, 64)])
 def test_activation_estimate_matches_autograds_saved_tensors(changes, batch, seq_len):
     cfg = tiny_config(**{"qk_norm": "none", **changes})
@@ -69,3 +70,11 @@ def test_plan_of_a_node_and_its_report():
     assert parse_bytes("48GiB") == 48 * 2**30 and parse_bytes("80 GB") == 80 * 10**9
     with pytest.raises(ValueError, match="not a size"):
         parse_bytes("lots")
+
+
+def test_the_chunked_loss_plan_drops_the_logits():
+    cfg, chunked = tiny_config(vocab_size=8192), tiny_config(vocab_size=8192, loss_impl="chunked", loss_chunk_tokens=64)
+    plain_b, chunked_b = activation_bytes(cfg, 8, 64), activation_bytes(chunked, 8, 64)
+    # plain: log-softmax kept, logits returned, two T x V gradients; chunked: three chunk x V blocks
+    assert plain_b - chunked_b == 512 * 8192 * 4 * (1 + 1 + 2) - 512 * 4 - 3 * 64 * 8192 * 4
+
