@@ -7,7 +7,7 @@
   tests/spes/test_plan.py), with and without `spes.activation_checkpointing: block`;
 - a node of several ranks (DDP) holds all of it on every rank, activations of its own micro-batch.
 
-    python -m spes.train.plan [--params params.yaml] [--gpu-mem 48GiB] [key=value ...]
+    python -m spes.train.plan [--params params.yaml] [--gpu-mem 48GiB] [--json] [key=value ...]
 
 prints it per node, against training the whole model on one device, and whether it fits. Under bf16
 autocast the estimate counts matmul inputs in bf16 and the bf16 weight copies autocast keeps; it is
@@ -16,11 +16,14 @@ checked against measured peaks on the CPU in fp32 only (bench/memory_plan.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import math
 import re
 from typing import Optional
 
 from spes.config.schema import ModelConfig, SpesConfig
+from spes.errors import ConfigError
 from spes.model.names import canonical_shapes, is_expert_param
 from spes.sync.methods import sync_method
 
@@ -154,7 +157,26 @@ def report(cfg: ModelConfig, s: SpesConfig, ranks: int, gpu_mem: Optional[int]) 
     for text, nodes in rows.items():  # nodes with the same numbers share a line
         lines.append(f"node{'s' if len(nodes) > 1 else ''} {_ranges(nodes)}: {text}")
     lines.append(f"whole model on one device: peak {full['peak_bytes'] / gib:.2f} GiB")
+    other = "plain" if cfg.loss_impl == "chunked" else "chunked"
+    alt = max(plan_node(dataclasses.replace(cfg, loss_impl=other), s, i, ranks)["peak_bytes"]
+              for i in range(sync_method(s).nodes))
+    lines.append(f"with model.loss_impl={other} (now {cfg.loss_impl}): node peak {alt / gib:.2f} GiB")
     return lines
+
+
+def summary(cfg: ModelConfig, s: SpesConfig, ranks: int, gpu_mem: Optional[int]) -> dict:
+    """The largest node's plan as one JSON-able dict (`--json`): fits, peak bytes per GPU, and the same with
+    the other loss implementation."""
+    nodes = [plan_node(cfg, s, i, ranks) for i in range(sync_method(s).nodes)]
+    worst = max(nodes, key=lambda m: m["peak_bytes"])
+    other = "plain" if cfg.loss_impl == "chunked" else "chunked"
+    alt = max(plan_node(dataclasses.replace(cfg, loss_impl=other), s, i, ranks)["peak_bytes"]
+              for i in range(len(nodes)))
+    return {"fits": None if gpu_mem is None else worst["peak_bytes"] <= gpu_mem, "gpu_mem_bytes": gpu_mem,
+            "peak_bytes_per_gpu": worst["peak_bytes"], "ranks_per_node": ranks, "loss_impl": cfg.loss_impl,
+            f"peak_bytes_per_gpu_{other}_loss": alt, "micro_batch": worst["micro_batch"],
+            "activation_checkpointing": s.activation_checkpointing, "nodes": len(nodes),
+            "weights_grads_adam_bytes": worst["total_bytes"], "activations_bytes": worst["peak_bytes"] - worst["total_bytes"]}
 
 
 def _ranges(nodes: list[int]) -> str:
@@ -168,11 +190,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--gpu-mem", default=None, help="memory of one device, e.g. 48GiB")
+    ap.add_argument("--json", action="store_true", help="end with one JSON line: fits, peak_bytes_per_gpu, ...")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
-    p = load_params(a.params, a.overrides)
-    print("\n".join(report(p.model, p.spes, p.orchestration.gpus_per_node,
-                           parse_bytes(a.gpu_mem) if a.gpu_mem else None)))
+    try:
+        p = load_params(a.params, a.overrides)
+        gpu_mem = parse_bytes(a.gpu_mem) if a.gpu_mem else None
+    except (ConfigError, ValueError) as e:
+        raise SystemExit(f"config error: {e}")
+    print("\n".join(report(p.model, p.spes, p.orchestration.gpus_per_node, gpu_mem)))
+    if a.json:
+        print(json.dumps(summary(p.model, p.spes, p.orchestration.gpus_per_node, gpu_mem)))
 
 
 if __name__ == "__main__":
