@@ -38,5 +38,18 @@ def spes_node(params: dict, run: str, r: int, node: int, tokens: Optional[str] =
                     checkpoint=checkpoint).to_json()
 
 
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--name", default="spes-node", help="the deployment's name (orchestration.node_deployment "
+                                                         "is '<flow>/<name>': spes-node/spes-node)")
+    a = ap.parse_args()
+    if not os.environ.get("PREFECT_API_URL"):  # else it would serve against a temporary server nobody sees
+        raise SystemExit("node_flow: PREFECT_API_URL is not set; point it at the orchestrator's Prefect server, "
+                         "e.g. export PREFECT_API_URL=http://<orchestrator>:4200/api")
+    spes_node.serve(name=a.name)
+
+
 if __name__ == "__main__":
-    spes_node.serve(name="spes-node")
+    main()

@@ -16,7 +16,7 @@ from spes.config.loader import load_params
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--name", default="spes")
     ap.add_argument("--init", default=None,

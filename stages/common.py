@@ -11,10 +11,13 @@ from spes.errors import ConfigError, SpesError
 from spes.storage.atomic import write_json  # noqa: F401  (the stages write their JSON through it)
 
 
-def parse(description: str) -> tuple[argparse.Namespace, Params]:
-    ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--params", default="params.yaml")
-    ap.add_argument("overrides", nargs="*", help="key=value overrides of params.yaml")
+def parse(description: str, stages: tuple[str, ...] = ()) -> tuple[argparse.Namespace, Params]:
+    """The stage's arguments (`--help` prints its docstring: what it does, reads and writes) and its params."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if stages:
+        ap.add_argument("stage", choices=stages)
+    ap.add_argument("--params", default="params.yaml", help="the params file (default: params.yaml)")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides of the params file, e.g. spes.rounds=12")
     a = ap.parse_args()
     try:
         return a, load_params(a.params, a.overrides)

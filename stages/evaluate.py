@@ -1,6 +1,11 @@
 """DVC stage `evaluate`: held-out loss of the final model (and of round 0 and an untrained model), the curve
 of held-out loss per round from the round records, HF export with the tokenizer and a logit-parity check,
-optional lm-eval tasks; writes metrics.json and plot CSVs."""
+optional lm-eval tasks.
+
+Reads the run's committed rounds on shared storage and artifacts/tokens; writes artifacts/eval/metrics.json,
+heldout_loss.csv, node_loss.csv and hf/ (the exported model with its tokenizer).
+Example: python -m stages.evaluate eval.batches=50
+"""
 from __future__ import annotations
 
 import csv

@@ -2,22 +2,26 @@
 
     python -m stages.rounds warmup     rounds 1..spes.warmup_rounds (expert merging on)
     python -m stages.rounds train      the remaining rounds, from warmup's last committed round
+
+Reads artifacts/init (the upcycle stage's model) and artifacts/tokens; writes the rounds on shared storage
+(storage.url) and artifacts/<stage>/summary.json (what was computed) and metrics.json (timings, traffic).
+Example: python -m stages.rounds train spes.rounds=12
 """
 from __future__ import annotations
 
 import os
-import sys
 
 from stages.common import out_dir, prefect_env_defaults, run, write_json
 
 
 def main() -> None:
-    stage = sys.argv.pop(1) if len(sys.argv) > 1 and sys.argv[1] in ("warmup", "train") else None
-    if stage is None:
-        raise SystemExit("usage: python -m stages.rounds warmup|train [--params P] [key=value ...]")
     from stages.common import parse
 
-    a, p = parse(__doc__)
+    a, p = parse(__doc__, stages=("warmup", "train"))
+    stage = a.stage
+    init = os.path.join(p.artifacts_dir, "init", "model.safetensors")
+    if not os.path.exists(init):  # say so at once, not after the Prefect server and the nodes started
+        raise SystemExit(f"rounds: {init} does not exist: run the earlier stages first (dvc repro upcycle)")
     prefect_env_defaults()
     from pipelines.node_pool import POOL
     from pipelines.prefect_api import prefect_api

@@ -2,6 +2,10 @@
 
 The output is written into a temporary folder beside `artifacts/tokens` and swapped in only when complete,
 so an interrupted or failed run leaves the previous tokens (and their tokenizer) as they were.
+
+Reads the corpus (tokenize.corpus / tokenize.dataset; the Python stdlib's source by default); writes
+artifacts/tokens (shards, meta.json, tokenizer.json) and artifacts/tokenize/metrics.json.
+Example: python -m stages.tokenize tokenize.corpus='data/*.jsonl.gz'
 """
 from __future__ import annotations
 

@@ -1,4 +1,9 @@
-"""DVC stage `upcycle`: the initial MoE (round 0): upcycled from a dense HF checkpoint, or from scratch."""
+"""DVC stage `upcycle`: the initial MoE (round 0): upcycled from a dense HF checkpoint, or from scratch.
+
+Reads artifacts/dense/hf (or init.dense_checkpoint) and artifacts/tokens; writes artifacts/init
+(model.safetensors, config.json, metrics.json).
+Example: python -m stages.upcycle init.noise_std=0.02
+"""
 from __future__ import annotations
 
 import dataclasses

@@ -213,8 +213,20 @@ def _to_params(*configs: Any, where: str = "") -> Params:
         merged = OmegaConf.merge(OmegaConf.structured(Params), *configs)
         params: Params = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as e:
-        raise ConfigError(f"{where}{str(e).splitlines()[0]} (key: {getattr(e, 'full_key', '?')})") from None
+        key = getattr(e, "full_key", None) or "?"
+        raise ConfigError(f"{where}{str(e).splitlines()[0]} (key: {key}){_did_you_mean(key)}") from None
     return validate(params)
+
+
+def _did_you_mean(key: str) -> str:
+    """'; did you mean spes.num_nodes?' for a key that is not in the schema but close to one that is."""
+    import difflib
+
+    known = [k for k in flatten(to_dict(Params())) if not k.startswith("compare.variants")]
+    if key in known:
+        return ""
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 def load_params(path: str = "params.yaml", overrides: Optional[list[str]] = None) -> Params:
@@ -277,11 +289,18 @@ def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("."): d}
 
 
-def overrides_between(base: Params, other: Params) -> list[str]:
-    """`key=value` for every setting in which `other` differs from `base` (what `dvc exp run -S` takes)."""
+def overrides_between(base: Params, other: Params, written: Optional[set[str]] = None) -> list[str]:
+    """`key=value` for every setting in which `other` differs from `base` (what `dvc exp run -S` takes);
+    `+key=value` for those not written in the base file (`written`: its keys), which DVC must add, not set."""
     a, b = flatten(to_dict(base)), flatten(to_dict(other))
-    return [f"{k}={yaml.safe_dump(b[k], default_flow_style=True).strip().removesuffix('...').strip()}"
+    return [f"{'+' if written is not None and k not in written else ''}{k}="
+            f"{yaml.safe_dump(b[k], default_flow_style=True).strip().removesuffix('...').strip()}"
             for k in sorted(b) if a.get(k) != b[k]]
+
+
+def written_keys(path: str) -> set[str]:
+    """The dotted keys a params file writes itself (its includes aside)."""
+    return set(flatten(OmegaConf.to_container(_load_with_includes(path, ())[-1])))
 
 
 def main() -> None:
@@ -290,14 +309,14 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description="Validate a params file; with --set-params print the `dvc exp run` "
                                  "flags that turn params.yaml into it: dvc exp run $(python -m spes.config "
-                                 "--set-params configs/spes-1b.yaml)")
+                                 "configs/spes-1b.yaml --set-params)")
     ap.add_argument("path")
     ap.add_argument("--set-params", action="store_true")
     ap.add_argument("--base", default="params.yaml")
     a = ap.parse_args()
     try:
         p = load_params(a.path)
-        flags = overrides_between(load_params(a.base), p) if a.set_params else None
+        flags = overrides_between(load_params(a.base), p, written_keys(a.base)) if a.set_params else None
     except ConfigError as e:
         raise SystemExit(f"config error: {e}")
     print(" ".join(f"-S {shlex.quote(o)}" for o in flags) if flags is not None else f"{a.path}: valid")

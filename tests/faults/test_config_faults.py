@@ -48,3 +48,10 @@ def test_names_that_become_paths_match_whole(tmp_path, name):
     f.write_text(yaml.safe_dump(d))
     with pytest.raises(ConfigError, match="orchestration.run_name: .* is not a safe name"):
         load_params(str(f))
+
+
+@pytest.mark.parametrize("override,suggestion", [("spes.num_node=3", "spes.num_nodes"),
+                                                 ("spes.merge.intervall=3", "spes.merge.interval")])
+def test_a_typo_in_a_key_suggests_the_closest_key(override, suggestion):
+    with pytest.raises(ConfigError, match=f"did you mean {suggestion}\\?"):
+        load_params(PARAMS, [override])

@@ -111,3 +111,26 @@ def test_the_schema_defaults_are_the_embedded_defaults():
     schema, file = flatten(to_dict(Params())), flatten(to_dict(load_params(os.path.join(ROOT, "params.yaml"))))
     differ = {k: (schema.get(k), v) for k, v in file.items() if schema.get(k) != v and not k.startswith("compare.variants")}
     assert not differ
+
+
+@pytest.mark.parametrize("preset", ["spes-1b", "spes-7b", "spes-9b-upcycle"])
+def test_set_params_flags_turn_params_yaml_into_the_preset_as_dvc_applies_them(tmp_path, preset):
+    """The README's `dvc exp run $(python -m spes.config configs/<preset>.yaml --set-params)`: keys params.yaml
+    does not write come as `+key=` (DVC refuses to set a key that is not there), and DVC's own override code
+    turns a copy of params.yaml into exactly the preset."""
+    import shlex
+    import shutil
+    import subprocess
+    import sys
+
+    from dvc.utils.hydra import apply_overrides
+
+    out = subprocess.run([sys.executable, "-m", "spes.config", f"configs/{preset}.yaml", "--set-params"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    flags = shlex.split(out)
+    overrides = [flags[i + 1] for i in range(0, len(flags), 2) if flags[i] == "-S"]
+    assert "+model.lm_head_z_loss_coef=1.0e-05" in overrides  # not written in params.yaml
+    copy = tmp_path / "params.yaml"
+    shutil.copy(os.path.join(ROOT, "params.yaml"), copy)
+    apply_overrides(str(copy), overrides)
+    assert to_dict(load_params(str(copy))) == to_dict(load_params(os.path.join(ROOT, "configs", f"{preset}.yaml")))

@@ -70,3 +70,20 @@ def test_unsupported_checkpoints_are_refused_clearly(tmp_path):
         load_hf(str(tmp_path / "nothing-here"))
     with pytest.raises(HFConversionError, match="no Hugging Face architecture"):
         to_hf(CausalLM(tiny_config(num_experts=0, qk_norm="full")))
+
+
+def test_the_export_stops_generating_at_the_tokenizers_eos(tmp_path, tiny_tokens):
+    """The exported config carries the tokenizer's EOS (and pads with it), so generate() ends a document."""
+    import transformers
+
+    tok = hf_tokenizer(os.path.join(tiny_tokens, "tokenizer.json"))
+    model = CausalLM(tiny_config(vocab_size=512, qk_norm="full"))
+    with torch.no_grad():  # every logit equal: greedy decoding picks id 0, the BPE's EOS
+        model.lm_head.weight.zero_()
+    assert tok.eos_token_id == 0
+    export_hf(model, str(tmp_path / "hf"), tok)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    assert hf.config.eos_token_id == hf.generation_config.eos_token_id == tok.eos_token_id
+    x = torch.tensor([[5, 6, 7]])
+    out = hf.generate(x, max_new_tokens=20, do_sample=False)
+    assert out.shape[1] == 4 and out[0, -1].item() == tok.eos_token_id  # stopped at EOS, not after 20
