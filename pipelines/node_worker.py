@@ -10,6 +10,7 @@ Faults for tests: `SPES_FAULT_PLAN` (pipelines/faults.py).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 
@@ -29,6 +30,11 @@ def serve() -> int:
     from spes.sync.methods import sync_method
     from spes.train.devices import node_threads
 
+    # the library's progress lines go to stdout, which the pool relays to the node task's Prefect log
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logging.getLogger("spes").addHandler(handler)
+    logging.getLogger("spes").setLevel(logging.INFO)
     faults = FaultPlan.from_env()
     for line in sys.stdin:
         if not line.strip():

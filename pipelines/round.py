@@ -13,7 +13,6 @@ artifact per round (node, loss, tokens, bytes up/down, seconds, expert load) sho
 
 # No `from __future__ import annotations` here: Prefect's runner pickles a served flow by value, and
 # its parameter annotations must resolve as objects in the child process.
-import json
 import re
 import time
 from typing import Any, Optional
@@ -22,6 +21,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.futures import wait
 
+from pipelines.formatting import fmt_balance, fmt_bytes, fmt_loss, fmt_seconds
 from pipelines.node_pool import POOL
 from spes.config.loader import to_dict
 from spes.config.schema import Params
@@ -127,14 +127,13 @@ def _aggregator(p: Params, run: str) -> Aggregator:
 
 
 def _table(rows: list[NodeReport]) -> list[dict]:
-    def load(u):
-        return json.dumps([sum(x) for x in zip(*u.expert_load)]) if u and u.expert_load else ""
-
+    """The round's table in the UI, for people; the raw numbers are in the round's record on storage."""
     return [{"node": n.node, "status": n.status + (f": {n.error}" if n.error else ""),
-             "loss": round(n.upload.loss_mean, 4) if n.upload else float("nan"), "tokens": n.tokens,
-             "bytes_up": n.bytes_up, "bytes_down": n.bytes_down,
-             "seconds": round(n.upload.seconds_load + n.upload.seconds_compute, 2) if n.upload else 0.0,
-             "expert_load": load(n.upload)} for n in rows]
+             "loss": fmt_loss(n.upload.loss_mean if n.upload else None), "tokens": f"{n.tokens:,}",
+             "up": fmt_bytes(n.bytes_up), "down": fmt_bytes(n.bytes_down),
+             "time": fmt_seconds(n.upload.seconds_load + n.upload.seconds_compute if n.upload else None),
+             "expert load max/mean per layer": fmt_balance(n.upload.expert_load if n.upload else [])}
+            for n in rows]
 
 
 def _node_runner(p: Params, run: str, r: int, deadline: float, tokens_key):
@@ -165,6 +164,7 @@ def round_task(p: Params, run: str, r: int, checkpoint: bool = False, tokens_key
     agg, heldout = record.aggregate, record.heldout_loss
     create_table_artifact(_table(record.nodes), key=artifact_key(run, "round", r),
                           description=f"Round {r}: contributors {agg.contributors}, missing {agg.missing}, "
-                                      f"merge alpha {agg.merge_alpha:.4g}, held-out loss "
-                                      f"{'-' if heldout is None else f'{heldout:.4f}'}, wall {record.wall_s:.1f}s")
+                                      f"merge alpha {agg.merge_alpha:.4g}, held-out loss {fmt_loss(heldout)}, "
+                                      f"wall {fmt_seconds(record.wall_s)} (+ {fmt_seconds(record.heldout_s)} "
+                                      "held-out evaluation)")
     return record

@@ -153,6 +153,7 @@ def _check_orchestration(p: Params) -> None:
     _need(o.executor in ("process", "deployment"), f"orchestration.executor must be process|deployment, got {o.executor!r}")
     _need(o.threads_per_node is None or o.threads_per_node >= 1,
           f"orchestration.threads_per_node must be >= 1 or null, got {o.threads_per_node}")
+    _need(o.log_every_steps >= 0, f"orchestration.log_every_steps must be >= 0, got {o.log_every_steps}")
     _need(o.node_retries >= 0, f"orchestration.node_retries must be >= 0, got {o.node_retries}")
     _need(o.round_timeout_s > 0, f"orchestration.round_timeout_s must be > 0, got {o.round_timeout_s}")
     _need(o.lock_ttl_s >= 3, f"orchestration.lock_ttl_s must be >= 3 seconds (refreshed every ttl/3), got {o.lock_ttl_s}")

@@ -313,6 +313,9 @@ class OrchestrationConfig:
     """Nodes not committed by then are left out of the round (quorum permitting)."""
     min_nodes: Optional[int] = None
     """Quorum; None = all nodes."""
+    log_every_steps: int = 10
+    """Each node logs its step, loss, tokens/s and the seconds left in the round every this many steps
+    (relayed to its node task's log in the Prefect UI); 0 = never."""
     lock_ttl_s: float = 600.0
     """The run's writer lease on storage; refreshed every ttl/3 while a flow runs, free again after a crash."""
 

@@ -11,6 +11,7 @@ the node reads or writes on shared storage is counted in what it reports.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from spes.sync.methods import sync_method
 from spes.train.devices import resolve_device
 from spes.train.distributed import broadcast_object, broadcast_tensors, rank_and_size
 from spes.train.trainer import NodeTrainer, build_node_trainer
+
+log = logging.getLogger("spes.round.node")
 
 
 def node_seed(seed: int, node: int, r: int) -> int:
@@ -159,6 +162,7 @@ def train(p: Params, r: int, node: int, data: TokenData, prev: dict, model_confi
     losses, tokens, counts = [], 0, None
     t1 = time.perf_counter()
     first_step = (r - 1) * s.sync_steps
+    every = p.orchestration.log_every_steps
     for i in range(s.sync_steps):
         x, y = stream.next()  # the node's batch; this rank's rows of it
         m = trainer.train_step(x[share], y[share], first_step + i)
@@ -166,6 +170,8 @@ def train(p: Params, r: int, node: int, data: TokenData, prev: dict, model_confi
         tokens += m.tokens
         if m.expert_counts_LE is not None:
             counts = m.expert_counts_LE if counts is None else counts + m.expert_counts_LE
+        if every and rank == 0 and ((i + 1) % every == 0 or i + 1 == s.sync_steps):
+            _log_progress(node, r, i + 1, s.sync_steps, float(m.ce), tokens, time.perf_counter() - t1)  # a host sync
         if on_step is not None:
             on_step(i)
     losses = torch.stack(losses).tolist()  # the round's one wait for the device
@@ -206,6 +212,12 @@ def commit(p: Params, store: Store, run: str, r: int, node: int, inputs: RoundIn
     ref = inputs.ref
     local.prune_before(min(ref.round if ref else 0, last_checkpoint_round(r, p.checkpoint.every_rounds)))
     return node_report(manifest, f"{store.url}/{rel}", time.perf_counter() - t2)
+
+
+def _log_progress(node: int, r: int, done: int, steps: int, loss: float, tokens: int, seconds: float) -> None:
+    left = seconds / done * (steps - done)
+    log.info("node %d round %d: step %d/%d, loss %.4f, %.0f tokens/s, %.0f s left in the round", node, r, done, steps,
+             loss, tokens / max(seconds, 1e-9), left)
 
 
 def node_round(p: Params, store: Store, run: str, r: int, node: int, data: TokenData,

@@ -1,0 +1,18 @@
+"""Numbers as a person reads them in the Prefect UI."""
+import math
+
+from pipelines.formatting import fmt_balance, fmt_bytes, fmt_loss, fmt_seconds, load_balance
+
+
+def test_bytes_seconds_losses():
+    assert fmt_bytes(7883626) == "7.88 MB" and fmt_bytes(11028213) == "11 MB" and fmt_bytes(2.5e9) == "2.5 GB"
+    assert fmt_bytes(512) == "512 B" and fmt_bytes(1536) == "1.54 kB" and fmt_bytes(None) == "-"
+    assert fmt_seconds(8.912) == "8.91 s" and fmt_seconds(125) == "2 min 05 s" and fmt_seconds(7322) == "2 h 02 min"
+    assert fmt_loss(4.265827) == "4.266" and fmt_loss(float("nan")) == "-" and fmt_loss(None) == "-"
+
+
+def test_expert_load_balance_per_layer():
+    counts = [[10, 10, 10, 10], [40, 0, 0, 0], [0, 0, 0, 0]]
+    b = load_balance(counts)
+    assert b[:2] == [1.0, 4.0] and math.isnan(b[2])
+    assert fmt_balance(counts[:2]) == "1.00 4.00" and fmt_balance([]) == "-"
