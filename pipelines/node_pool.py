@@ -17,6 +17,7 @@ import time
 from typing import Callable, Optional
 
 from pipelines.node_worker import RESULT
+from pipelines.request import NodeRequest
 from spes.errors import NodeFailed
 from spes.run.records import NodeReport
 
@@ -57,10 +58,10 @@ class NodeProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def run_round(self, cmd: dict, timeout_s: float, log: Callable[[str], None]) -> tuple[str, Optional[dict]]:
+    def run_round(self, req: NodeRequest, timeout_s: float, log: Callable[[str], None]) -> tuple[str, Optional[NodeReport]]:
         """('ok', meta) or ('timeout', None); raises NodeFailed if the process dies or the round errors."""
         try:
-            self.proc.stdin.write(json.dumps(cmd) + "\n")
+            self.proc.stdin.write(json.dumps(req.to_json()) + "\n")
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             raise NodeFailed(f"node {self.node}: worker process is gone (exit {self.proc.poll()})") from None
@@ -73,11 +74,11 @@ class NodeProcess:
                 return "timeout", None
             if line is None:
                 rc = self.proc.wait()
-                raise NodeFailed(f"node {self.node} round {cmd['round']}: worker process died (exit {rc})")
+                raise NodeFailed(f"node {self.node} round {req.round}: worker process died (exit {rc})")
             if line.startswith(RESULT):
                 out = json.loads(line[len(RESULT):])
                 if not out["ok"]:
-                    raise NodeFailed(f"node {self.node} round {cmd['round']}: {out['error']}",
+                    raise NodeFailed(f"node {self.node} round {req.round}: {out['error']}",
                                      retryable=out.get("retryable", True))
                 return "ok", NodeReport.from_json(out["meta"], f"node {self.node} worker")
             log(line)

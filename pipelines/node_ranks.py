@@ -24,10 +24,6 @@ if TYPE_CHECKING:
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-class NodeRanksFailed(RuntimeError):
-    pass
-
-
 def check_ranks(p) -> None:
     """gpus_per_node GPUs must be visible where the node computes on CUDA; a one-line error before compute."""
     import torch
@@ -51,19 +47,21 @@ def run_node(p, store, run: str, r: int, node: int, tokens_dir: str, threads: in
     if p.orchestration.gpus_per_node == 1:
         return node_round(p, store, run, r, node, TokenData.open(tokens_dir), on_step=on_step, checkpoint=checkpoint)
     check_ranks(p)
+    from pipelines.request import NodeRequest
     from spes.config.loader import to_dict
+    from spes.errors import NodeFailed
 
     g = p.orchestration.gpus_per_node
     with tempfile.TemporaryDirectory(prefix=f"spes-node{node}-r{r}-") as tmp:
         cmd, out = os.path.join(tmp, "cmd.json"), os.path.join(tmp, "out.json")
         with open(cmd, "w") as f:
-            json.dump({"params": to_dict(p), "run": run, "round": r, "node": node, "tokens": tokens_dir,
-                       "checkpoint": checkpoint, "threads": max(1, threads // g)}, f)
+            json.dump({"request": NodeRequest(to_dict(p), run, r, node, checkpoint, tokens_dir).to_json(),
+                       "threads": max(1, threads // g)}, f)
         env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         rc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={g}",
                              "-m", "pipelines.node_ranks", cmd, out], env=env).returncode
         if rc != 0 or not os.path.exists(out):
-            raise NodeRanksFailed(f"node {node} round {r}: its torchrun job of {g} ranks failed (exit {rc}); "
+            raise NodeFailed(f"node {node} round {r}: its torchrun job of {g} ranks failed (exit {rc}); "
                                   "the ranks' output is above")
         with open(out) as f:
             return NodeReport.from_json(json.load(f), out)
@@ -74,6 +72,7 @@ def rank_main(cmd_path: str, out_path: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from pipelines.request import NodeRequest
     from spes.config.loader import params_from_dict
     from spes.data.tokens import TokenData
     from spes.round.node import node_round
@@ -82,16 +81,17 @@ def rank_main(cmd_path: str, out_path: str) -> None:
 
     with open(cmd_path) as f:
         cmd = json.load(f)
-    p = params_from_dict(cmd["params"])
-    node, local_rank = int(cmd["node"]), int(os.environ["LOCAL_RANK"])
+    req = NodeRequest.from_json(cmd["request"])  # here `tokens` is the local token folder
+    p = params_from_dict(req.params)
+    node, local_rank = req.node, int(os.environ["LOCAL_RANK"])
     device = resolve_device(p.orchestration.device, node * p.orchestration.gpus_per_node + local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.set_num_threads(int(cmd["threads"]))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
-        meta = node_round(p, Store.from_config(p.storage), cmd["run"], int(cmd["round"]), node,
-                          TokenData.open(cmd["tokens"]), checkpoint=bool(cmd["checkpoint"]))
+        meta = node_round(p, Store.from_config(p.storage), req.run, req.round, node, TokenData.open(req.tokens),
+                          checkpoint=req.checkpoint)
         if dist.get_rank() == 0:
             with open(out_path + ".part", "w") as f:
                 json.dump(meta.to_json(), f)

@@ -23,6 +23,7 @@ def serve() -> int:
 
     from pipelines.faults import FaultPlan
     from pipelines.node_ranks import run_node
+    from pipelines.request import NodeRequest
     from spes.config.loader import params_from_dict
     from spes.errors import retryable
     from spes.run.layout import RunLayout
@@ -39,15 +40,15 @@ def serve() -> int:
     for line in sys.stdin:
         if not line.strip():
             continue
-        cmd = json.loads(line)
         try:
-            p = params_from_dict(cmd["params"])
+            req = NodeRequest.from_json(json.loads(line))
+            p = params_from_dict(req.params)
             threads = node_threads(p, sync_method(p.spes).nodes)
             torch.set_num_threads(threads)
-            r, node, run = int(cmd["round"]), int(cmd["node"]), cmd["run"]
+            r, node, run = req.round, req.node, req.run
             store = Store.from_config(p.storage)
             meta = run_node(p, store, run, r, node, os.path.join(p.artifacts_dir, "tokens"), threads,
-                            on_step=faults.hook(run, r, node), checkpoint=bool(cmd.get("checkpoint")))
+                            on_step=faults.hook(run, r, node), checkpoint=req.checkpoint)
             faults.after_commit(run, r, node, store.path(RunLayout(run).node_dir(r, node)))
             out = {"ok": True, "meta": meta.to_json()}
         except Exception as e:  # report, stay alive for the next command

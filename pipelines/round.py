@@ -23,6 +23,7 @@ from prefect.futures import wait
 
 from pipelines.formatting import fmt_balance, fmt_bytes, fmt_loss, fmt_seconds
 from pipelines.node_pool import POOL
+from pipelines.request import NodeRequest
 from spes.config.loader import to_dict
 from spes.config.schema import Params
 from spes.errors import NodeFailed, retryable
@@ -43,8 +44,8 @@ def _run_node_process(p: Params, run: str, r: int, node: int, timeout_s: float,
                       checkpoint: bool) -> tuple[str, Optional[NodeReport]]:
     """Run the round on the node's long-lived process, relaying its output to the Prefect log."""
     logger = get_run_logger()
-    cmd = {"params": to_dict(p), "run": run, "round": r, "node": node, "checkpoint": checkpoint}
-    return POOL.get(node).run_round(cmd, timeout_s, lambda line: logger.info("node %d | %s", node, line))
+    req = NodeRequest(to_dict(p), run, r, node, checkpoint)
+    return POOL.get(node).run_round(req, timeout_s, lambda line: logger.info("node %d | %s", node, line))
 
 
 def _run_node_deployment(p: Params, run: str, r: int, node: int, timeout_s: float, checkpoint: bool,
@@ -55,8 +56,7 @@ def _run_node_deployment(p: Params, run: str, r: int, node: int, timeout_s: floa
     from prefect.deployments import run_deployment
 
     fr = run_deployment(p.orchestration.node_deployment,
-                        parameters={"params": to_dict(p), "run": run, "r": r, "node": node, "tokens": tokens_key,
-                                    "checkpoint": checkpoint},
+                        parameters=NodeRequest(to_dict(p), run, r, node, checkpoint, tokens_key).deployment_parameters(),
                         timeout=timeout_s, flow_run_name=f"{run}-node-{node}-round-{r}")
     if fr.state is None or not fr.state.is_final():
         _cancel_flow_run(fr.id)  # a straggler must not keep its GPU busy into the next round

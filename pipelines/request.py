@@ -1,0 +1,37 @@
+"""What a node is asked to do for a round: one request type shared by every node executor (a process of
+this machine, a torchrun job of several ranks, a `spes-node` deployment on another machine)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from spes.errors import ProtocolError
+
+
+@dataclass(frozen=True)
+class NodeRequest:
+    params: dict
+    """The run's resolved params (spes.config.loader.to_dict): nodes validate them again, read nothing else."""
+    run: str
+    round: int
+    node: int
+    checkpoint: bool = False
+    """Also write the node's state to shared storage after this round."""
+    tokens: Optional[str] = None
+    """Key of the token shards on shared storage (deployments), or None: the local artifacts."""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "NodeRequest":
+        try:
+            return cls(dict(d["params"]), str(d["run"]), int(d["round"]), int(d["node"]), bool(d.get("checkpoint")),
+                       d.get("tokens"))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"not a node request ({type(e).__name__}: {e})") from None
+
+    def deployment_parameters(self) -> dict:
+        """The `spes-node` flow's parameters (pipelines/node_flow.py)."""
+        return {"params": self.params, "run": self.run, "r": self.round, "node": self.node, "tokens": self.tokens,
+                "checkpoint": self.checkpoint}
