@@ -124,11 +124,13 @@ def _run_rounds(p: Params, run: Run, lease: RunLease, stage: str, resume_round, 
     logger = get_run_logger()
     if p.orchestration.executor == "process":
         POOL.start(range(sync_method(p.spes).nodes))  # no-op for processes started before the flow (stages.rounds)
+    on_mismatch = "restart" if p.orchestration.supersede else on_mismatch
     run.ensure(settings_fingerprint(p), InitModel.load(init_path) if init_path else None, on_mismatch,
-               legacy=legacy_fingerprint(p))
+               legacy=legacy_fingerprint(p), fresh=p.orchestration.fresh and stage != "train")
     if resume_round in (None, "latest"):
         run.set_aside_damaged()  # a damaged latest round is set aside, not a dead end
     first = run.resolve_start(resume_round, _local_state_checker(p, run))
+    run.prune_superseded(p.storage.keep_superseded)
     run.check_global(first - 1)
     logger.info("run %s: starting at round %d", run.name, first)
     tokens = os.path.join(p.artifacts_dir, "tokens")

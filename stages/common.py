@@ -36,6 +36,8 @@ def prefect_env_defaults() -> None:
     """Quiet, local Prefect defaults for the stages (no analytics; INFO logs)."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+    # the library's warnings (a superseded run, a retried storage call, retention) reach the Prefect UI too
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "spes")
 
 
 def run(main) -> None:

@@ -38,7 +38,7 @@ def main() -> None:
         out = spes_training(params_path=a.params, overrides=a.overrides, stage=stage,
                             run_name=p.orchestration.run_name,
                             init_path=os.path.join(p.artifacts_dir, "init", "model.safetensors"),
-                            on_mismatch="restart" if stage == "warmup" else "error")
+                            on_mismatch="error")
     # the stage's rounds as committed on storage, whether run now or by an earlier (resumed) invocation
     first, last = (1, p.spes.warmup_rounds) if stage == "warmup" else (p.spes.warmup_rounds + 1, p.spes.rounds)
     run = Run(Store.from_config(p.storage), out["run"])

@@ -160,6 +160,8 @@ def _check_orchestration(p: Params) -> None:
     _need(bool(p.storage.url), "storage.url must not be empty")
     _need(p.storage.timeout_s > 0, f"storage.timeout_s must be > 0, got {p.storage.timeout_s}")
     _need(p.storage.retries >= 0, f"storage.retries must be >= 0, got {p.storage.retries}")
+    ks = p.storage.keep_superseded
+    _need(ks is None or ks >= 1, f"storage.keep_superseded must be >= 1 or null, got {ks}")
     k = p.storage.keep_rounds
     _need(k is None or k >= 1, f"storage.keep_rounds must be >= 1 or null, got {k}")
     _need(p.checkpoint.every_rounds >= 1, f"checkpoint.every_rounds must be >= 1, got {p.checkpoint.every_rounds}")

@@ -286,12 +286,22 @@ class StorageConfig:
     """Keep the last K rounds whole (their deltas refer to the round's node uploads); older rounds keep only
     their record, except round 0 and the rounds a resume can start from from shared storage, which keep
     their global and the node states they need. None = keep everything."""
+    keep_superseded: Optional[int] = 2
+    """Rounds set aside (a resume from an earlier round, a superseded run, a damaged round) go to
+    runs/<run>/superseded/<stamp>/; keep the last this many stamps. None = keep them all."""
 
 
 @dataclass
 class OrchestrationConfig:
     run_name: str = "default"
     """Names the run's folder on storage: letters, digits, '.', '_' and '-' only."""
+    supersede: bool = False
+    """When storage holds a run of this name made with other settings or another initial model: false =
+    stop with an error saying so (choose another run_name, or set this); true = set its rounds aside to
+    superseded/ and start it anew."""
+    fresh: bool = False
+    """Start this run anew even when storage holds it with the same settings (e.g. after a code change, which
+    the fingerprint does not see): its rounds are set aside to superseded/."""
     executor: str = "process"
     """'process' = one subprocess per node on this machine; 'deployment' = run_deployment per node."""
     node_deployment: str = "spes-node/spes-node"

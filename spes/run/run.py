@@ -83,7 +83,7 @@ class Run:
             return None
 
     def ensure(self, fingerprint: str, init: Optional[InitModel], on_mismatch: str = "error",
-               legacy: Optional[str] = None) -> None:
+               legacy: Optional[str] = None, fresh: bool = False) -> None:
         """Make the run exist with this identity: round 0 from `init` (or already committed by whoever
         started the run), the info bundle; refuse, or with on_mismatch='restart' set aside, a run made with
         other settings or another initial model. `legacy`: the fingerprint a run made before fingerprint
@@ -93,15 +93,19 @@ class Run:
         if info is not None:
             same_settings = info["fingerprint"] == fingerprint or (
                 "fingerprint_version" not in info and legacy is not None and info["fingerprint"] == legacy)
-            if same_settings and init_sha in (None, info.get("init_sha256")):
+            same = same_settings and init_sha in (None, info.get("init_sha256"))
+            if same and not fresh:
                 return
-            if on_mismatch != "restart":
+            if not same and on_mismatch != "restart":
                 what = "settings" if not same_settings else "initial model"
                 raise RunMismatch(f"run {self.name!r} on {self.store.url} was made with another {what} "
-                                  f"(fingerprint {info['fingerprint']}, now {fingerprint}); use another "
-                                  "orchestration.run_name or restart it")
+                                  f"(fingerprint {info['fingerprint']}, now {fingerprint}); choose another "
+                                  "orchestration.run_name, or set orchestration.supersede=true to set its rounds "
+                                  "aside and start it anew")
             moved = self.supersede_after(-1, include_info=True)
-            log.warning("settings changed: rounds %s of run %s moved to superseded/", moved, self.name)
+            log.warning("run %s: %s; its rounds %s were moved to %s/superseded/", self.name,
+                        "started anew (orchestration.fresh)" if same else "made with other settings or another "
+                        "initial model (orchestration.supersede)", moved, self.layout.base)
         run_id = uuid.uuid4().hex
         if self._round0_sha() is None:
             if init is None:
@@ -296,7 +300,8 @@ class Run:
 
     def supersede_after(self, r: int, include_info: bool = False) -> list[int]:
         """Move rounds > r aside (never deleted) so a resume from r can rewrite them."""
-        stamp = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+        # sortable by time to the nanosecond (retention keeps the newest), unique across writers
+        stamp = time.strftime("%Y%m%dT%H%M%S") + f".{time.time_ns() % 10**9:09d}-" + uuid.uuid4().hex[:6]
         dest = self.layout.superseded_dir(stamp)
         moved = []
         for name in self.store.list_names(self.layout.rounds_dir):
@@ -306,6 +311,19 @@ class Run:
         if include_info and self.store.exists(self.layout.info):
             self.store.move(self.layout.info, f"{dest}/info")
         return sorted(moved)
+
+    def prune_superseded(self, keep: Optional[int]) -> list[str]:
+        """Retention of superseded/: the last `keep` stamps stay (None = all); returns those deleted."""
+        if keep is None:
+            return []
+        stamps = self.store.list_names(f"{self.layout.base}/superseded")  # stamps sort by time
+        gone = stamps[:-keep] if len(stamps) > keep else []
+        for stamp in gone:
+            self.store.remove(self.layout.superseded_dir(stamp))
+        if gone:
+            log.info("run %s: retention deleted superseded rounds %s (storage.keep_superseded=%d)", self.name, gone,
+                     keep)
+        return gone
 
     def load_model(self, r: int):
         """Global round r as a model (config from the round's meta), and its manifest."""

@@ -174,3 +174,21 @@ def test_retention_of_checkpoint_rounds_can_be_bounded(tmp_path):
     run = _synthetic_run(tmp_path, refs, retain=(1, 2))
     assert run.committed_rounds() == [0, 5, 6]
     assert [r for r in range(1, 7) if run.store.list_names(f"{run.layout.round_dir(r)}/states")] == [5, 6]
+
+
+def test_superseding_a_run_is_an_explicit_choice_and_superseded_rounds_are_bounded(tmp_path):
+    run = Run(Store(str(tmp_path)), "r")
+    run.ensure("fp1", _init())
+    with pytest.raises(RunMismatch, match="choose another orchestration.run_name, or set orchestration.supersede=true"):
+        run.ensure("fp2", None)  # the default: nothing is set aside behind the user's back
+    assert run.info()["fingerprint"] == "fp1"
+    first_id = run.info()["run_id"]
+    run.ensure("fp1", _init(), fresh=True)  # the same settings, deliberately anew (e.g. after a code change)
+    assert run.info()["run_id"] != first_id and run.committed_rounds() == [0]
+    for _ in range(3):
+        run.ensure("fp1", _init(), fresh=True)
+    stamps = sorted(p.name for p in (tmp_path / "runs/r/superseded").iterdir())
+    assert len(stamps) == 4
+    assert run.prune_superseded(2) == stamps[:2]
+    assert sorted(p.name for p in (tmp_path / "runs/r/superseded").iterdir()) == stamps[2:]
+    assert run.prune_superseded(None) == []
