@@ -72,10 +72,14 @@ def prefect_api(startup_timeout_s: float = 180.0) -> Iterator[str]:
                 raise RuntimeError(f"the local Prefect server did not answer on {url} within {startup_timeout_s:.0f}s")
             time.sleep(0.2)
         os.environ["PREFECT_API_URL"] = url
+        # the temporary server has no UI and dies with the stage: no "View at http://..." link to a 404
+        os.environ.setdefault("PREFECT_UI_URL", "")
         yield url
     finally:
         _drain_prefect_workers()  # send the last logs and events while the server still listens
         os.environ.pop("PREFECT_API_URL", None)
+        if os.environ.get("PREFECT_UI_URL") == "":
+            os.environ.pop("PREFECT_UI_URL")
         proc.terminate()
         try:
             proc.wait(timeout=10)

@@ -112,6 +112,7 @@ def test_a_corrupt_committed_upload_is_rerun_and_the_result_unchanged(project, r
     assert res.returncode == 0, out[-3000:]
     assert "nodes/000/shared.safetensors" in out and "re-running nodes [0]" in out
     assert "node 1 | node 1 round 2: step 3/3, loss " in out  # node progress relayed to the node task's log
+    assert "View at http" not in out  # no link to the temporary server (it has no UI and dies with the stage)
     assert global_sha(project, "corrupt", 2) == reference
     assert os.listdir(project / "storage/runs/corrupt/rejected")[0].startswith("000002-000-")
 
