@@ -17,12 +17,12 @@ from prefect.runtime import flow_run
 
 from pipelines.node_pool import POOL
 from pipelines.round import artifact_key, round_task
-from spes.config.loader import load_params
+from spes.config.loader import load_params, to_dict
 from spes.config.schema import Params
 from spes.data.tokens import TokenData, check_vocab
-from spes.round.driver import checkpoint_due
+from spes.round.driver import checkpoint_due, resume_point
 from spes.round.node import node_state_root
-from spes.run.identity import InitModel, legacy_fingerprint, settings_fingerprint
+from spes.run.identity import InitModel, fingerprinted, legacy_fingerprint, settings_fingerprint
 from spes.run.layout import tokens_dir
 from spes.run.lease import RunLease
 from spes.run.node_state import NodeStateDir
@@ -126,10 +126,10 @@ def _run_rounds(p: Params, run: Run, lease: RunLease, stage: str, resume_round, 
         POOL.start(range(sync_method(p.spes).nodes))  # no-op for processes started before the flow (stages.rounds)
     on_mismatch = "restart" if p.orchestration.supersede else on_mismatch
     run.ensure(settings_fingerprint(p), InitModel.load(init_path) if init_path else None, on_mismatch,
-               legacy=legacy_fingerprint(p), fresh=p.orchestration.fresh and stage != "train")
-    if resume_round in (None, "latest"):
-        run.set_aside_damaged()  # a damaged latest round is set aside, not a dead end
-    first = run.resolve_start(resume_round, _local_state_checker(p, run))
+               legacy=legacy_fingerprint(p), fresh=p.orchestration.fresh and stage != "train",
+               settings=fingerprinted(to_dict(p)))
+    # a damaged latest round is set aside (not a dead end); an extended wsd run keeps its stable rounds
+    first = resume_point(p, run, resume_round, _local_state_checker(p, run))
     run.prune_superseded(p.storage.keep_superseded)
     run.check_global(first - 1)
     logger.info("run %s: starting at round %d", run.name, first)

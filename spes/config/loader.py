@@ -24,6 +24,7 @@ from spes.config.schema import (
     EXPERTS_IMPLS,
     LOSS_IMPLS,
     METHODS,
+    SCHEDULES,
     OptimConfig,
     Params,
     check_name,
@@ -40,6 +41,8 @@ def _need(cond: bool, msg: str) -> None:
 
 
 def _check_optim(o: OptimConfig, key: str) -> None:
+    _need(o.schedule in SCHEDULES, f"{key}.schedule must be one of {'|'.join(SCHEDULES)}, got {o.schedule!r}")
+    _need(0.0 < o.decay_fraction <= 1.0, f"{key}.decay_fraction must be in (0, 1], got {o.decay_fraction}")
     _need(o.lr > 0, f"{key}.lr must be > 0, got {o.lr}")
     _need(0.0 <= o.min_lr_ratio <= 1.0, f"{key}.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
     _need(o.warmup_steps >= 0, f"{key}.warmup_steps must be >= 0, got {o.warmup_steps}")

@@ -24,6 +24,7 @@ METHODS = ("spes", "diloco", "fedavg", "centralized")
 CODECS = ("fp32", "bf16", "int8")
 DATA_ORDERS = ("epoch", "random_windows")
 QK_NORMS = ("full", "head", "none")
+SCHEDULES = ("cosine", "wsd")
 LOSS_IMPLS = ("plain", "chunked")
 TRAINING_FIELDS = ("lb_loss_coef", "z_loss_coef", "z_loss_reduction", "lm_head_z_loss_coef", "loss_impl",
                    "loss_chunk_tokens", "experts_impl")
@@ -174,6 +175,13 @@ class OptimConfig:
     grad_clip: float = 1.0
     decay_norms: bool = False
     """Apply weight decay to norm weights too (the reference decays every parameter); False = matrices only."""
+    schedule: str = "cosine"
+    """After the linear warm-up: 'cosine' (to lr * min_lr_ratio at the last step: every step's rate depends on
+    the total, so a longer run is another run) or 'wsd' (warm-up, stable, decay: lr until the last
+    `decay_fraction` of the steps, then linear to lr * min_lr_ratio; a run extended with more rounds keeps
+    its rounds of the stable phase)."""
+    decay_fraction: float = 0.2
+    """wsd: the share of the total steps over which the rate decays."""
 
 
 @dataclass

@@ -332,7 +332,7 @@ class Aggregator:
             node_loss={i: uploads[i]["meta"]["loss_mean"] for i in uploads}, node_states=states,
             codec=p.sync.codec, seconds_aggregate=time.perf_counter() - t0,
             index=next_index(prev_meta.index or Run(store, self.run).index(r - 1), r, states),
-            run_id=prev_meta.run_id, fingerprint=prev_meta.fingerprint)
+            run_id=prev_meta.run_id, fingerprint=prev_meta.fingerprint, total_steps=s.total_steps)
         glob.commit(meta.to_json())
         self._held = ((r, new_sha), attempt.new_model)
         return meta

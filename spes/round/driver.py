@@ -20,6 +20,7 @@ from spes.eval.heldout import heldout_loss
 from spes.run.records import GlobalMeta, NodeReport, RoundRecord
 from spes.run.run import Run
 from spes.sync.methods import sync_method
+from spes.train.trainer import stable_end
 
 log = logging.getLogger("spes.round")
 
@@ -53,6 +54,34 @@ class HeldOutProbe:
         e = self.p.eval
         model, _ = run.load_model(r)
         return heldout_loss(model, self._data.val, e.batch_size, e.seq_len, e.round_batches)["loss"]
+
+
+def resume_point(p: Params, run: Run, resume_round, has_local_state=None) -> int:
+    """The first round to run: after a damaged latest round is set aside and, with the wsd schedule, after the
+    rounds past the common stable phase of an extended (or shortened) run are set aside, the round after
+    the latest resumable one (or after `resume_round`). See Run.resolve_start."""
+    if resume_round in (None, "latest"):
+        run.set_aside_damaged()
+        _align_schedule(p, run)
+    return run.resolve_start(resume_round, has_local_state)
+
+
+def _align_schedule(p: Params, run: Run) -> None:
+    """wsd: rounds whose steps all ran at the stable rate under both the run's old and new total are the same
+    in both; later ones are recomputed."""
+    o, s = p.spes.optim, p.spes
+    latest = run.latest_round()
+    if o.schedule != "wsd" or not latest:
+        return
+    old_total, new_total = run.global_meta(latest).total_steps, s.total_steps
+    if not old_total or old_total == new_total:
+        return
+    keep = min(stable_end(o, old_total), stable_end(o, new_total)) // s.sync_steps
+    if latest > keep:
+        moved = run.supersede_after(keep)
+        log.warning("run %s: the schedule now runs %d steps, not %d (wsd): rounds %s decayed under the old total and "
+                    "were set aside; rounds up to %d ran at the stable rate and are kept", run.name, new_total,
+                    old_total, moved, keep)
 
 
 def run_round(p: Params, run: Run, r: int, run_nodes: NodeRunner, aggregate: Aggregate, checkpoint: bool,

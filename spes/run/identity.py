@@ -34,7 +34,8 @@ FINGERPRINT_VERSION = 2
 FINGERPRINT_SECTIONS = ("model", "init", "spes", "sync", "tokenize", "data", "dense")
 NOT_IN_FINGERPRINT = {"model.experts_impl", "model.loss_impl", "model.loss_chunk_tokens"}
 """Implementation choices that leave the maths alone."""
-ADDED_LATER: dict[str, Any] = {}
+ADDED_LATER: dict[str, Any] = {"spes.optim.schedule": "cosine", "spes.optim.decay_fraction": 0.2,
+                               "dense.optim.schedule": "cosine", "dense.optim.decay_fraction": 0.2}
 """Keys added after fingerprint version 2, each with its neutral value (the behaviour before it existed)."""
 LEGACY_DEFAULTS = {"model.norm_topk_prob": False, "model.qk_norm": "full", "spes.merge.interval": 40,
                    "spes.sync_steps": 20, "spes.warmup_rounds": 5, "spes.rounds": 12, "spes.optim.lr": 3e-3,
@@ -46,11 +47,20 @@ def _hash(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def fingerprint_of(settings: dict) -> str:
-    """Hash of the fully resolved settings that define the maths (see the module docstring)."""
+def fingerprinted(settings: dict) -> dict[str, Any]:
+    """The flattened settings the fingerprint hashes. With the wsd schedule (and no decayed load-balance
+    factor, whose ramp is a share of the total) spes.rounds only moves the decay: an extended run is the same
+    run, whose rounds past the shorter stable phase are recomputed (spes/round/driver.py: resume_point)."""
     flat = {k: v for k, v in flatten({s: settings.get(s, {}) for s in FINGERPRINT_SECTIONS}).items()
             if k not in NOT_IN_FINGERPRINT and not (k in ADDED_LATER and v == ADDED_LATER[k])}
-    return _hash({"version": FINGERPRINT_VERSION, "settings": flat})
+    if flat.get("spes.optim.schedule") == "wsd" and not flat.get("spes.decayed_lb"):
+        flat.pop("spes.rounds", None)
+    return flat
+
+
+def fingerprint_of(settings: dict) -> str:
+    """Hash of the fully resolved settings that define the maths (see the module docstring)."""
+    return _hash({"version": FINGERPRINT_VERSION, "settings": fingerprinted(settings)})
 
 
 def settings_fingerprint(p: Params) -> str:

@@ -213,6 +213,8 @@ class GlobalMeta(Record):
     index: Optional[RunIndex] = None
     run_id: str = ""
     """The run's identity, carried in every global so a lost info bundle can be rebuilt (with `fingerprint`)."""
+    total_steps: int = 0
+    """The learning-rate schedule's horizon (spes.rounds x sync_steps) this global was trained with; 0 = unknown."""
     fingerprint: str = ""
     version: int = RECORD_VERSION
 

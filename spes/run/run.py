@@ -52,10 +52,11 @@ class Run:
                               "run_id")
         return meta
 
-    def _write_info(self, fingerprint: str, init_sha: str, run_id: str) -> None:
+    def _write_info(self, fingerprint: str, init_sha: str, run_id: str, settings: Optional[dict] = None) -> None:
         self.store.write_bundle(self.layout.info, {}, {"fingerprint": fingerprint, "init_sha256": init_sha,
                                                        "fingerprint_version": FINGERPRINT_VERSION,
-                                                       "run_id": run_id, "created_at": time.time()})
+                                                       "run_id": run_id, "created_at": time.time(),
+                                                       "settings": settings or {}})
 
     def _rebuild_info(self) -> Optional[dict]:
         """A run with committed rounds whose info bundle is gone keeps its identity: the latest global carries
@@ -83,7 +84,7 @@ class Run:
             return None
 
     def ensure(self, fingerprint: str, init: Optional[InitModel], on_mismatch: str = "error",
-               legacy: Optional[str] = None, fresh: bool = False) -> None:
+               legacy: Optional[str] = None, fresh: bool = False, settings: Optional[dict] = None) -> None:
         """Make the run exist with this identity: round 0 from `init` (or already committed by whoever
         started the run), the info bundle; refuse, or with on_mismatch='restart' set aside, a run made with
         other settings or another initial model. `legacy`: the fingerprint a run made before fingerprint
@@ -98,10 +99,16 @@ class Run:
                 return
             if not same and on_mismatch != "restart":
                 what = "settings" if not same_settings else "initial model"
+                old = info.get("settings") or {}
+                diff = [f"{k}: {old.get(k)!r} -> {(settings or {}).get(k)!r}" for k in sorted(set(old) | set(settings or {}))
+                        if old.get(k) != (settings or {}).get(k)] if old and settings else []
+                hint = ("; the cosine schedule depends on spes.rounds: with spes.optim.schedule=wsd a run can be "
+                        "extended" if any(d.startswith("spes.rounds:") for d in diff) else "")
                 raise RunMismatch(f"run {self.name!r} on {self.store.url} was made with another {what} "
-                                  f"(fingerprint {info['fingerprint']}, now {fingerprint}); choose another "
-                                  "orchestration.run_name, or set orchestration.supersede=true to set its rounds "
-                                  "aside and start it anew")
+                                  + (f"({', '.join(diff[:5])}{', ...' if len(diff) > 5 else ''})" if diff else
+                                     f"(fingerprint {info['fingerprint']}, now {fingerprint})")
+                                  + "; choose another orchestration.run_name, or set orchestration.supersede=true to "
+                                  f"set its rounds aside and start it anew{hint}")
             moved = self.supersede_after(-1, include_info=True)
             log.warning("run %s: %s; its rounds %s were moved to %s/superseded/", self.name,
                         "started anew (orchestration.fresh)" if same else "made with other settings or another "
@@ -116,7 +123,7 @@ class Run:
             self.store.write_bundle(self.layout.global_dir(0), {MODEL_FILE: init.tensors}, meta.to_json())
         else:
             run_id = self.global_meta(0).run_id or run_id  # a round 0 committed by whoever started the run
-        self._write_info(fingerprint, self._round0_sha(), run_id)
+        self._write_info(fingerprint, self._round0_sha(), run_id, settings)
 
     # -- rounds ------------------------------------------------------------------------------------
     def _round_names(self) -> list[int]:

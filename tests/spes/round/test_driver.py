@@ -86,3 +86,56 @@ def test_a_round_records_what_happened_and_a_missing_quorum_names_the_cause(tmp_
 
     with pytest.raises(QuorumError, match=r"only nodes \[0\] committed.*; node 1: failed \(NonFiniteLoss: node 1 round 2"):
         run_round(p, run, 2, one_fails, lambda rerun: agg.aggregate(2, rerun_rejected=rerun), checkpoint=False)
+
+
+def test_an_extended_wsd_run_equals_one_that_had_that_many_rounds_from_the_start(tmp_path, data):
+    """spes.optim.schedule=wsd: more rounds keep the run (same fingerprint); the rounds that decayed under the
+    old total are set aside and recomputed, and the result is bitwise the run that had that many rounds from
+    the start. With cosine, the same change is another run (the error says so)."""
+    from spes.errors import RunMismatch
+    from spes.round.driver import resume_point
+    from spes.round.node import node_state_root
+    from spes.run.layout import MODEL_FILE
+    from spes.run.node_state import NodeStateDir
+
+    def params(folder, rounds, schedule="wsd"):
+        p = _params(tmp_path / folder, rounds=rounds, sync_steps=2)
+        p.spes.optim.schedule, p.spes.optim.decay_fraction, p.spes.optim.warmup_steps = schedule, 0.5, 1
+        p.storage.keep_rounds = None  # rounds 1-2 stay whole (by default, a resume falls back to a checkpoint round)
+        return p
+
+    def rounds(p, run, first, last):
+        agg = Aggregator(p, run.store, "r")
+        for r in range(first, last + 1):
+            run_round(p, run, r, _nodes(p, run, data, r), lambda rerun, r=r: agg.aggregate(r, rerun_rejected=rerun),
+                      checkpoint_due(p, r, last))
+
+    def sha(run, r):
+        return run.store.read_manifest(run.layout.global_dir(r))["files"][MODEL_FILE]["sha256"]
+
+    p4 = params("a", 4)
+    run = _start(p4)
+    rounds(p4, run, 1, 4)
+    p6 = params("a", 6)
+    run.ensure(settings_fingerprint(p6), None)  # the same run
+    info = run.info()
+
+    def local(i, ref):
+        return NodeStateDir(node_state_root(p6), run.store.url, "r", info["run_id"], i).has_state(ref)
+
+    first = resume_point(p6, run, "latest", local)  # decay began at step 4 (old) and 6 (new): rounds 1-2 stay
+    assert first == 3
+    rounds(p6, run, 3, 6)
+    ref = _start(params("b", 6))
+    rounds(params("b", 6), ref, 1, 6)
+    assert sha(run, 6) == sha(ref, 6)
+    with pytest.raises(RunMismatch, match=r"spes.rounds: 4 -> 6.*with spes.optim.schedule=wsd a run can be extended"):
+        c4 = params("c", 4, "cosine")
+        c = _start(c4)
+        c.store.remove(c.layout.info)
+        from spes.config.loader import to_dict
+        from spes.run.identity import fingerprinted
+
+        c.ensure(settings_fingerprint(c4), None, settings=fingerprinted(to_dict(c4)))
+        c6 = params("c", 6, "cosine")
+        c.ensure(settings_fingerprint(c6), None, settings=fingerprinted(to_dict(c6)))
