@@ -1,6 +1,6 @@
 """A node's round on one rank or on several (`orchestration.gpus_per_node`).
 
-One rank: `spes.node_round.node_round` in this process. Several: a torchrun job per round,
+One rank: `spes.round.node.node_round` in this process. Several: a torchrun job per round,
 
     python -m torch.distributed.run --standalone --nproc-per-node G -m pipelines.node_ranks CMD.json OUT.json
 

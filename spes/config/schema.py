@@ -228,7 +228,7 @@ class SpesConfig:
     micro_batch_size: Optional[int] = None
     """Sequences per forward/backward pass; the step accumulates gradients over batch_size / (ranks x
     micro_batch_size) of them. None = the whole per-rank batch at once. The load-balance loss is computed
-    per micro-batch and averaged (spes.losses.grouped_load_balance_loss), so the step's loss and gradients
+    per micro-batch and averaged (spes.model.losses.grouped_load_balance_loss), so the step's loss and gradients
     do not depend on how the batch is split into ranks and micro-batches beyond that grouping."""
     activation_checkpointing: str = "none"
     """'none', or 'block': keep only each transformer block's input and recompute the rest in the backward

@@ -150,7 +150,7 @@ class CausalLM(nn.Module):
     def forward(self, input_ids_BS: torch.Tensor, labels_BS: Optional[torch.Tensor] = None,
                 lb_expert_weight_E: Optional[torch.Tensor] = None, lb_groups: int = 1) -> ModelOutput:
         """`lb_groups`: the load-balance loss is the mean of that of `lb_groups` equal groups of sequences
-        (the micro-batches a batch would be split into; see spes.losses.grouped_load_balance_loss)."""
+        (the micro-batches a batch would be split into; see spes.model.losses.grouped_load_balance_loss)."""
         B, S = input_ids_BS.shape
         x = self.model.embed_tokens(input_ids_BS)
         cos, sin = rope_cos_sin(S, self.cfg.dim_per_head, self.cfg.rope_theta, x.device, x.dtype)
