@@ -59,6 +59,28 @@ def tiny_tokens(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_reference(tmp_path_factory, tiny_tokens, prefect_server):
+    """The tiny project's 3-round run (tests/pipelines/tiny_project.py), uninterrupted, once per session:
+    what every resume and fault test must reproduce bit for bit. {'weights': final weights, 'sha': {round:
+    the global's sha256}}."""
+    from pipelines.training import spes_training
+    from spes.config.loader import load_params
+    from spes.run.layout import MODEL_FILE
+    from spes.run.run import Run
+    from spes.storage.store import Store
+    from tests.pipelines.tiny_project import final_weights, init_run, make_project
+
+    root = tmp_path_factory.mktemp("reference")
+    make_project(root, tiny_tokens)
+    pfile = str(root / "params.yaml")
+    init_run(pfile, "ref")
+    assert spes_training(params_path=pfile, run_name="ref")["latest_committed"] == 3
+    run = Run(Store.from_config(load_params(pfile).storage), "ref")
+    sha = {r: run.store.read_manifest(run.layout.global_dir(r))["files"][MODEL_FILE]["sha256"] for r in (1, 2, 3)}
+    return {"weights": final_weights(pfile, "ref"), "sha": sha}
+
+
+@pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory):
     """A real (temporary, SQLite) Prefect server for the flow tests."""
     os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect_home"))

@@ -39,12 +39,8 @@ def train(pfile, run, **kw):
 
 
 @pytest.fixture(scope="module")
-def reference(project, prefect_server):
-    pfile = params_file(project)
-    init_run(pfile, "ref")
-    out = train(pfile, "ref")
-    assert out["latest_committed"] == 3
-    return final_weights(pfile, "ref")
+def reference(tiny_reference):
+    return tiny_reference["weights"]  # one reference run per session (tests/conftest.py)
 
 
 def test_resume_from_a_checkpoint_round_equals_uninterrupted(project, reference):
