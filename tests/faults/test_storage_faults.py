@@ -1,4 +1,5 @@
 """Storage that stops answering, and paths that would leave the storage root."""
+import contextlib
 import logging
 import os
 import signal
@@ -22,13 +23,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def moto_process(monkeypatch):
-    """An S3 server in its own process, so it can be paused (SIGSTOP) like a hung endpoint."""
+@contextlib.contextmanager
+def _moto_server(monkeypatch, key: str = "testing", **env):
+    """An S3 server in its own process (so it can be paused, SIGSTOP, like a hung endpoint), and credentials."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for k, v in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"), ("AWS_DEFAULT_REGION", "us-east-1")):
+                            env=dict(os.environ, **env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for k, v in (("AWS_ACCESS_KEY_ID", key), ("AWS_SECRET_ACCESS_KEY", key), ("AWS_DEFAULT_REGION", "us-east-1")):
         monkeypatch.setenv(k, v)
     try:
         deadline = time.time() + 60
@@ -45,6 +46,12 @@ def moto_process(monkeypatch):
         os.kill(proc.pid, signal.SIGCONT)
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture
+def moto_process(monkeypatch):
+    with _moto_server(monkeypatch) as server:
+        yield server
 
 
 @pytest.mark.s3
@@ -114,22 +121,7 @@ def test_no_read_write_or_delete_goes_through_a_link_out_of_the_root(tmp_path):
 @pytest.mark.s3
 def test_s3_with_wrong_credentials_is_one_line_naming_endpoint_and_bucket(monkeypatch):
     """Issue 18, item 9: a denied request is not retried and names where it went, not a traceback."""
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            env=dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT="0"),  # moto checks the keys
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for k, v in (("AWS_ACCESS_KEY_ID", "wrong"), ("AWS_SECRET_ACCESS_KEY", "wrong"), ("AWS_DEFAULT_REGION", "us-east-1")):
-        monkeypatch.setenv(k, v)
-    try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.time() < deadline
-                time.sleep(0.2)
-        endpoint = f"http://127.0.0.1:{port}"
+    with _moto_server(monkeypatch, key="wrong", INITIAL_NO_AUTH_ACTION_COUNT="0") as (endpoint, _):  # moto checks keys
         store = Store("s3://my-bucket/spes", {"endpoint_url": endpoint}, retries=4)
         t0 = time.time()
         with pytest.raises(StorageError) as e:
@@ -137,6 +129,3 @@ def test_s3_with_wrong_credentials_is_one_line_naming_endpoint_and_bucket(monkey
         assert time.time() - t0 < 10  # not retried
         msg = str(e.value)
         assert len(msg.splitlines()) == 1 and "'my-bucket'" in msg and endpoint in msg and "access denied" in msg
-    finally:
-        proc.kill()
-        proc.wait()
