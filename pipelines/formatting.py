@@ -40,3 +40,37 @@ def load_balance(counts_LE: list[list[int]]) -> list[float]:
 
 def fmt_balance(counts_LE: list[list[int]]) -> str:
     return " ".join(f"{b:.2f}" for b in load_balance(counts_LE)) if counts_LE else "-"
+
+
+BLOCKS = "▁▂▃▄▅▆▇█"
+SHADES = " ░▒▓█"
+
+
+def sparkline(values: list[float]) -> str:
+    """The values as one line of block characters, lowest ▁ to highest █ (plain text: every markdown renders it)."""
+    if not values:
+        return ""
+    lo, hi = min(values), max(values)
+    span = (hi - lo) or 1.0
+    return "".join(BLOCKS[min(len(BLOCKS) - 1, int((v - lo) / span * len(BLOCKS)))] for v in values)
+
+
+def load_heatmap(counts_by_node: dict[int, list[list[int]]]) -> str:
+    """Markdown: per layer, a row per node and a cell per expert shaded by the share of the node's routed rows
+    that went to it (░ little ... █ most), with the shares in percent beside: what MoE researchers look at
+    first (is the routing collapsing?)."""
+    if not counts_by_node:
+        return "no expert load recorded"
+    layers = len(next(iter(counts_by_node.values())))
+    out = []
+    for layer in range(layers):
+        out.append(f"layer {layer}:\n```")
+        for node, counts in sorted(counts_by_node.items()):
+            row = counts[layer]
+            total = sum(row) or 1
+            shares = [c / total for c in row]
+            top = max(shares) or 1.0
+            cells = "".join(SHADES[min(len(SHADES) - 1, round(s / top * (len(SHADES) - 1)))] * 2 for s in shares)
+            out.append(f"node {node} |{cells}| " + " ".join(f"{100 * s:4.1f}" for s in shares))
+        out.append("```")
+    return "\n".join(out)

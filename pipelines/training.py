@@ -9,12 +9,14 @@ A progress artifact for the run shows in the Prefect UI, beside each round's tab
 # No `from __future__ import annotations` here: Prefect's runner pickles a served flow by value, and
 # its parameter annotations must resolve as objects in the child process.
 import os
+import sys
 from typing import Optional, Union
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.runtime import flow_run
 
+from pipelines.formatting import load_heatmap, sparkline
 from pipelines.node_pool import POOL
 from pipelines.round import artifact_key, round_task
 from spes.config.loader import load_params, to_dict
@@ -95,10 +97,21 @@ def _local_state_checker(p: Params, run: Run):
     return lambda node, ref: NodeStateDir(root, run.store.url, run.name, run_id, node).has_state(ref)
 
 
+def _round_bar(run: str, stage: str, first: int, last: int):
+    """A tqdm bar of the stage's rounds on a terminal (None elsewhere: logs and the Prefect UI say the same)."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=last, initial=first - 1, unit="round", desc=f"{run} {stage}", dynamic_ncols=True)
+
+
 def _heldout_markdown(curve: list[tuple[int, int, float]]) -> str:
     lines = ["| round | tokens so far | held-out loss |", "|---|---|---|"]
-    lines += [f"| {r} | {tokens} | {loss:.4f} |" for r, tokens, loss in curve]
-    return f"Held-out loss of the committed global ({len(curve)} rounds)\n\n" + "\n".join(lines)
+    lines += [f"| {r} | {tokens:,} | {loss:.4f} |" for r, tokens, loss in curve]
+    losses = [loss for _, _, loss in curve]
+    picture = f"`{sparkline(losses)}` {losses[0]:.4f} → {losses[-1]:.4f}" if losses else ""
+    return (f"Held-out loss of the committed global ({len(curve)} rounds)\n\n{picture}\n\n" + "\n".join(lines))
 
 
 class HeldOutCurve:
@@ -145,6 +158,7 @@ def _run_rounds(p: Params, run: Run, lease: RunLease, stage: str, resume_round, 
                                         description=f"rounds committed of {p.spes.rounds}")
     curve = HeldOutCurve(run, first)
     rounds = []
+    bar = _round_bar(run.name, stage, first, last)
     for r in range(first, last + 1):
         lease.check()  # never start a round (and write to the run) without the lease
         rec = round_task.with_options(task_run_name=f"round-{r}")(p, run.name, r, checkpoint_due(p, r, last),
@@ -153,9 +167,19 @@ def _run_rounds(p: Params, run: Run, lease: RunLease, stage: str, resume_round, 
         logger.info("round %d committed: contributors %s, held-out loss %s, wall %.1fs",
                     r, rec.aggregate.contributors, rec.heldout_loss, rec.wall_s)
         update_progress_artifact(progress, 100.0 * r / p.spes.rounds)
+        if bar is not None:
+            bar.set_postfix(heldout=f"{rec.heldout_loss:.4f}" if rec.heldout_loss is not None else "-")
+            bar.update(1)
         if curve.add(rec):
             create_markdown_artifact(_heldout_markdown(curve.points), key=artifact_key(run.name, "heldout"),
                                      description=f"held-out loss per round, up to round {r}")
+    if rounds:  # the expert load of the stage's last round, per layer and node
+        load = {n.node: n.upload.expert_load for n in rec.nodes if n.ok and n.upload.expert_load}
+        create_markdown_artifact(f"Expert load in round {rec.round} (share of each node's routed rows per expert)"
+                                 f"\n\n{load_heatmap(load)}", key=artifact_key(run.name, "expert-load"),
+                                 description=f"expert load per layer, nodes x experts, round {rec.round}")
+    if bar is not None:
+        bar.close()
     latest = run.latest_round()
     return {"run": run.name, "first_round": first, "last_round": max(last, first - 1), "rounds_run": rounds,
             "latest_committed": latest}

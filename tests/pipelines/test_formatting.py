@@ -16,3 +16,14 @@ def test_expert_load_balance_per_layer():
     b = load_balance(counts)
     assert b[:2] == [1.0, 4.0] and math.isnan(b[2])
     assert fmt_balance(counts[:2]) == "1.00 4.00" and fmt_balance([]) == "-"
+
+
+def test_sparkline_and_expert_load_heatmap():
+    from pipelines.formatting import load_heatmap, sparkline
+
+    assert sparkline([5.2, 5.0, 4.7, 4.5, 4.4, 4.35, 4.3]) == "█▇▄▂▁▁▁" and sparkline([]) == ""
+    assert sparkline([1.0, 1.0]) == "▁▁"
+    md = load_heatmap({0: [[10, 20, 30, 40]], 1: [[25, 25, 25, 25]]})
+    assert md.splitlines() == ["layer 0:", "```", "node 0 |░░▒▒▓▓██| 10.0 20.0 30.0 40.0",
+                               "node 1 |████████| 25.0 25.0 25.0 25.0", "```"]
+    assert load_heatmap({}) == "no expert load recorded"
