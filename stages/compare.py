@@ -32,8 +32,8 @@ def _load(params_path: str):
 def run_cell(a) -> None:
     import torch
 
-    from spes.data.tokens import TokenData
-    from spes.eval.compare import Cell, variant_params
+    from spes.data.tokens import TokenData, window_documents
+    from spes.eval.compare import Cell, clustered_se, variant_params
     from spes.eval.heldout import heldout_loss
     from spes.run.run import Run
     from spes.storage.store import Store
@@ -64,6 +64,8 @@ def run_cell(a) -> None:
     model, _ = run_.load_model(last)
     data = TokenData.open(os.path.join(p.artifacts_dir, "tokens"))
     ev = heldout_loss(model, data.val, p.eval.batch_size, p.eval.seq_len)
+    docs = window_documents(data.val, data.eos_id, p.eval.seq_len, ev["windows"])
+    ev["se"] = clustered_se(ev["per_window"], docs)  # windows of one document are not independent
     records = run_.records(1, last)
     tokens, curve = 0, []
     for rec in records:
@@ -75,6 +77,7 @@ def run_cell(a) -> None:
     result = {"variant": cell.variant, "seed": cell.seed, "lr": cell.lr, "budget": cell.budget, "run": cell.run_name,
               "rounds": last, "heldout_loss": ev["loss"], "heldout_se": ev["se"], "eval_tokens": ev["tokens"],
               "heldout_windows": ev["per_window"],
+              "heldout_documents": docs,
               "tokens": tokens, "trainable_params_per_node": mem["trainable_params"],
               "memory_bytes_per_node": mem["total_bytes"],
               "peak_bytes_per_node": max((n.upload.peak_bytes or 0 for n in rows), default=0) or None,

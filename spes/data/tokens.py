@@ -176,6 +176,16 @@ class BatchStream:
         return _window_batch(self.tokens, starts, self.seq_len)
 
 
+def window_documents(tokens: Tokens, eos_id: int, seq_len: int, n_windows: int) -> list[int]:
+    """For each of the first `n_windows` held-out windows (eval_batches' windows), the index of the document
+    its first token belongs to (documents end with EOS): windows of one document are not independent, so
+    standard errors are clustered by it (spes/eval/compare.py)."""
+    tokens = as_sequence(tokens)
+    eos = np.flatnonzero(np.asarray(tokens.read(0, min(len(tokens), n_windows * seq_len + 1))) == eos_id)
+    starts = np.arange(n_windows) * seq_len
+    return np.searchsorted(eos, starts, side="left").tolist()  # EOS positions before the start = its document
+
+
 def eval_batches(tokens: Tokens, batch_size: int, seq_len: int,
                  num_batches: Optional[int] = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Fixed, non-overlapping windows from the start of the held-out split (same for every model): the
