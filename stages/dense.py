@@ -20,6 +20,7 @@ def main() -> None:
     hf_dir = os.path.join(d, "hf")
     if p.init.mode != "upcycle" or p.init.dense_checkpoint is not None:
         shutil.rmtree(hf_dir, ignore_errors=True)
+        os.makedirs(hf_dir)  # the stage's out, empty: upcycle reads init.dense_checkpoint (or starts from scratch)
         write_json(os.path.join(d, "metrics.json"), {"skipped": True})
         print("dense: skipped (init.mode is not upcycle, or init.dense_checkpoint is given)")
         return
