@@ -86,14 +86,14 @@ class _Round:
     """One attempt at aggregating round r from a set of contributors."""
 
     def __init__(self, p: Params, store: Store, layout: RunLayout, r: int, prev: dict, prev_meta: GlobalMeta,
-                 uploads: dict[int, dict], held: Optional[dict]):
+                 uploads: dict[int, dict], metas: dict[int, UploadMeta], held: Optional[dict]):
         s = p.spes
         self.p, self.s, self.store, self.layout, self.r = p, s, store, layout, r
         self.method = sync_method(s)
         self.codec = make_codec(p.sync.codec, p.sync.int8_block)
         self.prev, self.uploads, self.held = prev, uploads, held
         self.nodes = sorted(uploads)
-        self.weights = node_weights([uploads[i]["meta"]["tokens"] for i in self.nodes], s.token_weighted)
+        self.weights = node_weights([metas[i].tokens for i in self.nodes], s.token_weighted)
         num_experts = prev_meta.model_config["num_experts"]
         self.own = self.method.ownership(num_experts) if num_experts else None
         self.alpha = self.method.merge_alpha(r * s.sync_steps, num_experts)
@@ -263,25 +263,26 @@ class Aggregator:
         log.error("round %d: upload of node %d rejected (%s); moved to %s", r, node, why, dest)
         self.store.move(self.layout.node_dir(r, node), dest)
 
-    def _uploads(self, r: int, base_sha: str, rejected: dict[int, str]) -> dict[int, dict]:
-        """The committed uploads of round r that fit (the others go to `rejected` with the reason)."""
-        uploads = {}
+    def _uploads(self, r: int, base_sha: str, rejected: dict[int, str]) -> tuple[dict[int, dict], dict[int, UploadMeta]]:
+        """The committed uploads of round r that fit, as (manifests, their parsed metas); the others go to
+        `rejected` with the reason."""
+        uploads, metas = {}, {}
         for i in range(sync_method(self.p.spes).nodes):
             rel = self.layout.node_dir(r, i)
             try:
                 m = self.store.read_manifest(rel)
-                why = _check_upload(UploadMeta.from_json(m["meta"], f"{self.store.url}/{rel}"), r, i, base_sha,
-                                    self.p.sync.codec)
+                meta = UploadMeta.from_json(m["meta"], f"{self.store.url}/{rel}")
             except NotCommitted:
                 continue
             except (IntegrityError, RecordError) as e:
                 rejected[i] = str(e)
                 continue
+            why = _check_upload(meta, r, i, base_sha, self.p.sync.codec)
             if why:
                 rejected[i] = f"{self.store.url}/{rel}: {why}"
             else:
-                uploads[i] = m
-        return uploads
+                uploads[i], metas[i] = m, meta
+        return uploads, metas
 
     def aggregate(self, r: int, min_nodes: Optional[int] = None, rerun_rejected: bool = False) -> GlobalMeta:
         """Combine the committed node uploads of round r into delta r and global r (with merging when due).
@@ -300,7 +301,7 @@ class Aggregator:
         base_sha = prev["files"][MODEL_FILE]["sha256"]
         need = min(min_nodes if min_nodes is not None else method.nodes, method.nodes)
         rejected: dict[int, str] = {}
-        uploads = self._uploads(r, base_sha, rejected)
+        uploads, metas = self._uploads(r, base_sha, rejected)
         while True:
             for i in list(rejected):
                 if i in uploads or store.exists(layout.node_dir(r, i)):
@@ -312,7 +313,7 @@ class Aggregator:
                 raise QuorumError(f"round {r}: only nodes {sorted(uploads)} committed"
                                   + (f" ({len(rejected)} rejected)" if rejected else "")
                                   + f", quorum is {need} of {method.nodes}")
-            attempt = _Round(p, store, layout, r, prev, prev_meta, uploads, self._take_held(r - 1, base_sha))
+            attempt = _Round(p, store, layout, r, prev, prev_meta, uploads, metas, self._take_held(r - 1, base_sha))
             try:
                 with _one_torch_thread():
                     delta, glob, expert_files = attempt.run()
@@ -322,14 +323,14 @@ class Aggregator:
         new_sha = glob.entries[MODEL_FILE]["sha256"]
         states = dict(prev_meta.node_states)
         for i in uploads:
-            states[i] = UploadMeta.from_json(uploads[i]["meta"], layout.node_dir(r, i)).state
+            states[i] = metas[i].state
         delta.commit(DeltaMeta(round=r, base_round=r - 1, base_sha256=base_sha, global_sha256=new_sha,
                                codec=p.sync.codec, expert_files=expert_files, merged=attempt.merging).to_json())
         meta = GlobalMeta(
             round=r, step=r * s.sync_steps, method=method.name, model_config=prev_meta.model_config,
             contributors=sorted(uploads), missing=[i for i in range(method.nodes) if i not in uploads],
             rejected=rejected, merge_alpha=attempt.alpha, merged=attempt.merging,
-            node_loss={i: uploads[i]["meta"]["loss_mean"] for i in uploads}, node_states=states,
+            node_loss={i: metas[i].loss_mean for i in uploads}, node_states=states,
             codec=p.sync.codec, seconds_aggregate=time.perf_counter() - t0,
             index=next_index(prev_meta.index or Run(store, self.run).index(r - 1), r, states),
             run_id=prev_meta.run_id, fingerprint=prev_meta.fingerprint, total_steps=s.total_steps)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Callable, Iterable, Optional, Union
+from typing import Callable, Optional, Union
 
 from spes.config.schema import ModelConfig
 from spes.errors import IntegrityError, NotCommitted, ProtocolError, RecordError, RunMismatch
@@ -145,11 +145,11 @@ class Run:
         rel = self.layout.global_dir(r)
         return GlobalMeta.from_json(self.store.read_manifest(rel)["meta"], f"{self.store.url}/{rel}")
 
-    def check_global(self, r: int) -> GlobalMeta:
+    def check_global(self, r: int, manifest: Optional[dict] = None) -> GlobalMeta:
         """Before a round starts from global r: its meta and its model file's tensors (names, shapes) fit the
         model config it records; a damaged manifest stops here, naming the file, not inside a node."""
         rel = self.layout.global_dir(r)
-        manifest = self.store.read_manifest(rel)
+        manifest = manifest if manifest is not None else self.store.read_manifest(rel)
         meta = GlobalMeta.from_json(manifest["meta"], f"{self.store.url}/{rel}")
         try:
             want = canonical_shapes(ModelConfig(**meta.model_config))
@@ -165,8 +165,10 @@ class Run:
 
     def verify_global(self, r: int) -> GlobalMeta:
         """check_global, and every byte of the model file against its sha256, parsed as safetensors."""
-        meta = self.check_global(r)
-        self.store.read_bundle(self.layout.global_dir(r), [MODEL_FILE])
+        rel = self.layout.global_dir(r)
+        manifest = self.store.read_manifest(rel)
+        meta = self.check_global(r, manifest)
+        self.store.read_bundle(rel, [MODEL_FILE], manifest)
         return meta
 
     def set_aside_damaged(self) -> list[int]:
@@ -357,6 +359,3 @@ class Run:
     def records(self, first: int, last: int) -> list[RoundRecord]:
         """How rounds first..last went, for those with a record (a stage re-run reports these)."""
         return [rec for rec in (self.record(r) for r in range(first, last + 1)) if rec is not None]
-
-    def rounds_with_records(self, rounds: Iterable[int]) -> list[int]:
-        return [r for r in rounds if self.store.is_committed(self.layout.record_dir(r))]

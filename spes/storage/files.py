@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import os
 import posixpath
-import time
-from typing import Any, BinaryIO, Callable, Optional
+from typing import BinaryIO, Callable, Optional
 
 import fsspec
 
-from spes.errors import StorageError, StoreUnavailable, UnsafePath
+from spes.errors import StorageError, UnsafePath
 from spes.storage.atomic import atomic_create, atomic_write
-from spes.storage.retry import NEVER_RETRIED_NAMES, RetryPolicy, is_transient
+from spes.storage.retry import RetryPolicy, is_access_denied
 
 
 class FileStore:
@@ -61,7 +60,7 @@ class FileStore:
         try:
             return self.policy.call(what, fn, *args, **kwargs)
         except Exception as e:
-            if isinstance(e, PermissionError) or {c.__name__ for c in type(e).__mro__} & NEVER_RETRIED_NAMES:
+            if is_access_denied(e):
                 raise self._access_error(what, e) from None
             raise
 
@@ -116,26 +115,23 @@ class FileStore:
         A retried create that finds its own bytes there (the first try landed) counts as done."""
         p = self.path(rel)
         self._io(f"makedirs {posixpath.dirname(rel)}", self.fs.makedirs, posixpath.dirname(p), exist_ok=True)
-        for attempt in range(self.retries + 1):
-            self.calls += 1
+        tries = 0
+
+        def create() -> None:
+            nonlocal tries
+            tries += 1
             try:
                 if self.protocol == "file":
                     atomic_create(p, data)
                 else:
                     with self.fs.open(p, "xb") as f:
                         f.write(data)
-                self.bytes_written += len(data)
-                return
             except FileExistsError:
-                if attempt > 0 and self._io(f"read {rel}", self.fs.cat_file, p) == data:
-                    return
-                raise
-            except Exception as e:
-                if not is_transient(e):
+                if tries == 1 or self.fs.cat_file(p) != data:
                     raise
-                if attempt == self.retries:
-                    raise StoreUnavailable(f"storage {self.url}: create {rel} failed: {type(e).__name__}: {e}") from None
-                time.sleep(self.policy.backoff_s * 2 ** attempt)
+
+        self._io(f"create {rel}", create)
+        self.bytes_written += len(data)
 
     def open(self, rel: str, mode: str) -> BinaryIO:
         """A file object for streaming ('rb' or 'wb'); opening it goes through the retry policy."""
@@ -170,6 +166,3 @@ class FileStore:
             return 0
         sizes = self._io(f"du {rel}", self.fs.du, p, total=False)
         return int(sum(sizes.values())) if isinstance(sizes, dict) else int(sizes)
-
-    def stats(self) -> dict[str, Any]:
-        return {"calls": self.calls, "bytes_read": self.bytes_read, "bytes_written": self.bytes_written}

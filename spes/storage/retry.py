@@ -30,6 +30,11 @@ TRANSIENT_BASES = {"BotoCoreError", "ClientError", "ServerDisconnectedError", "C
 """botocore/aiohttp transport errors, matched by class name so that this module imports neither."""
 
 
+def is_access_denied(e: BaseException) -> bool:
+    """A refused request or missing credentials: definite, and the user's to fix (one line, see FileStore)."""
+    return isinstance(e, PermissionError) or bool({c.__name__ for c in type(e).__mro__} & NEVER_RETRIED_NAMES)
+
+
 def is_transient(e: BaseException) -> bool:
     """Whether another try of the same call can succeed."""
     if isinstance(e, SpesError):
