@@ -24,6 +24,7 @@ from spes.config.schema import (
     EXPERTS_IMPLS,
     LOSS_IMPLS,
     METHODS,
+    NODE_PARALLEL,
     SCHEDULES,
     OptimConfig,
     Params,
@@ -104,6 +105,11 @@ def _check_training(p: Params) -> None:
     _need(ranks >= 1, f"orchestration.gpus_per_node must be >= 1, got {ranks}")
     _need(s.batch_size % ranks == 0,
           f"spes.batch_size ({s.batch_size}) must be a multiple of orchestration.gpus_per_node ({ranks})")
+    _need(s.node_parallel in NODE_PARALLEL, f"spes.node_parallel must be one of {'|'.join(NODE_PARALLEL)}, "
+                                            f"got {s.node_parallel!r}")
+    _need(s.node_parallel != "fsdp" or ranks > 1,
+          "spes.node_parallel is fsdp, which shards a node over its ranks, but orchestration.gpus_per_node is 1 "
+          "(use ddp, or 2 or more GPUs per node)")
     mb = s.micro_batch_size
     _need(mb is None or (mb >= 1 and (s.batch_size // ranks) % mb == 0),
           f"spes.micro_batch_size ({mb}) must divide the per-rank batch (spes.batch_size / "

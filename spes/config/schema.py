@@ -26,6 +26,7 @@ DATA_ORDERS = ("epoch", "random_windows")
 QK_NORMS = ("full", "head", "none")
 SCHEDULES = ("cosine", "wsd")
 LOSS_IMPLS = ("plain", "chunked")
+NODE_PARALLEL = ("ddp", "fsdp")
 TRAINING_FIELDS = ("lb_loss_coef", "z_loss_coef", "z_loss_reduction", "lm_head_z_loss_coef", "loss_impl",
                    "loss_chunk_tokens", "experts_impl")
 """ModelConfig fields that are training settings, not architecture: a node takes them from the run's params,
@@ -233,6 +234,11 @@ class SpesConfig:
     activation_checkpointing: str = "none"
     """'none', or 'block': keep only each transformer block's input and recompute the rest in the backward
     pass (less activation memory for about one more forward pass; the same numbers)."""
+    node_parallel: str = "ddp"
+    """How the ranks of a node (orchestration.gpus_per_node > 1) share its work: 'ddp' = each rank holds the
+    whole node (weights, gradients, AdamW state) and takes its share of every batch; 'fsdp' = the same data
+    parallel steps with weights, gradients and AdamW state sharded over the ranks (FSDP2, per block), frozen
+    experts included (spes/train/sharding.py). Equal results within fp32 rounding."""
     compile: bool = False
     """torch.compile each transformer block (first steps of each node process pay the compile time)."""
     seq_len: int = 128

@@ -102,6 +102,14 @@ class ExpertChunk(nn.Module):
         self.gate_up_proj = nn.Parameter(gate_up_EID, requires_grad=trainable)
         self.down_proj = nn.Parameter(down_EDI, requires_grad=trainable)
 
+    def forward(self, x_SD: torch.Tensor, counts_E: torch.Tensor, counts_list: Optional[list[int]] = None,
+                impl: str = "auto") -> torch.Tensor:
+        """SwiGLU of the rows routed to these experts. A module call, so that wrappers that act on a module's
+        call (FSDP gathering its weights, hooks) see the chunk's weights used."""
+        gate_up_S2I = grouped_linear(x_SD, self.gate_up_proj, counts_E, counts_list, impl)
+        gate_SI, up_SI = gate_up_S2I.chunk(2, dim=-1)
+        return grouped_linear(F.silu(gate_SI) * up_SI, self.down_proj, counts_E, counts_list, impl)
+
 
 class Experts(nn.Module):
     """E SwiGLU experts stored as chunks of contiguous experts."""
@@ -145,19 +153,14 @@ class Experts(nn.Module):
     # -- compute --------------------------------------------------------------------------------
     def forward(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         if len(self.chunks) == 1:  # no host sync on this path (grouped_mm / Triton take device offsets)
-            return self._chunk_forward(self.chunks[0], x_SD, counts_E)
+            return self.chunks[0](x_SD, counts_E, impl=self.impl)
         counts = counts_E.tolist()  # host sync: chunk boundaries are needed to slice the rows
         outs, row = [], 0
         for c in self.chunks:
             n = sum(counts[c.start:c.end])
-            outs.append(self._chunk_forward(c, x_SD[row:row + n], counts_E[c.start:c.end], counts[c.start:c.end]))
+            outs.append(c(x_SD[row:row + n], counts_E[c.start:c.end], counts[c.start:c.end], self.impl))
             row += n
         return torch.cat(outs)
-
-    def _chunk_forward(self, c: ExpertChunk, x_SD, counts_E, counts_list=None):
-        gate_up_S2I = grouped_linear(x_SD, c.gate_up_proj, counts_E, counts_list, self.impl)
-        gate_SI, up_SI = gate_up_S2I.chunk(2, dim=-1)
-        return grouped_linear(F.silu(gate_SI) * up_SI, c.down_proj, counts_E, counts_list, self.impl)
 
 
 @dataclass

@@ -221,14 +221,7 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def load_canonical_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        expected = canonical_shapes(self.cfg)
-        missing = sorted(set(expected) - set(sd))
-        unexpected = sorted(set(sd) - set(expected))
-        if missing or unexpected:
-            raise KeyError(f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        for name, shape in expected.items():
-            if tuple(sd[name].shape) != shape:
-                raise ValueError(f"{name}: shape {tuple(sd[name].shape)} != model's {shape}")
+        check_canonical_state_dict(self.cfg, sd)
         params = dict(self.named_parameters())
         for name, t in sd.items():
             if name in params:
@@ -236,3 +229,15 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             if isinstance(layer.mlp, MoE):
                 layer.mlp.experts.load_full(sd[expert_tensor(i, "gate_up_proj")], sd[expert_tensor(i, "down_proj")])
+
+
+def check_canonical_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> None:
+    """Exactly the model's canonical tensors, each of its shape."""
+    expected = canonical_shapes(cfg)
+    missing = sorted(set(expected) - set(sd))
+    unexpected = sorted(set(sd) - set(expected))
+    if missing or unexpected:
+        raise KeyError(f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, shape in expected.items():
+        if tuple(sd[name].shape) != shape:
+            raise ValueError(f"{name}: shape {tuple(sd[name].shape)} != model's {shape}")

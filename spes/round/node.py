@@ -116,11 +116,15 @@ def read_inputs(p: Params, store: Store, run: str, r: int, node: int) -> RoundIn
     return RoundInputs(prev, prev_sha, prev_meta.model_config, state, ref, local)
 
 
-def _share(inputs: Optional[RoundInputs]) -> tuple[dict, dict, dict, int]:
-    """(global r-1, model config, optimizer tensors, data position) on every rank of the node."""
+def _share(inputs: Optional[RoundInputs], sharded: bool) -> tuple[Optional[dict], dict, Optional[dict], int]:
+    """(global r-1, model config, optimizer tensors, data position) on every rank of the node. A sharded node
+    (fsdp) keeps the tensors on rank 0, which gives each rank its shards (None elsewhere)."""
     lead = inputs is not None
     small = broadcast_object((inputs.model_config, inputs.state.data_position if inputs.state else 0,
                               inputs.state is not None) if lead else None)
+    if sharded:
+        optim = (inputs.state.optim if lead else None) if small[2] else {}
+        return (inputs.prev if lead else None), small[0], optim, small[1]
     prev = broadcast_tensors(inputs.prev if lead else None)
     optim = broadcast_tensors(inputs.state.optim if lead and inputs.state else None) if small[2] else {}
     return prev, small[0], optim, small[1]
@@ -147,10 +151,17 @@ def train(p: Params, r: int, node: int, data: TokenData, prev: dict, model_confi
     s, method = p.spes, sync_method(p.spes)
     rank, ranks = rank_and_size()
     device = resolve_device(p.orchestration.device, node * ranks + rank)
-    model = CausalLM(model_for_training(model_config, p.model))
-    model.load_canonical_state_dict(prev)
-    trainer = build_node_trainer(s, model.to(device), node)
-    if optim:
+    cfg = model_for_training(model_config, p.model)
+    if sharded(p):  # built without storage; each rank's shards come from rank 0's tensors
+        with torch.device("meta"):
+            model = CausalLM(cfg)
+        trainer = build_node_trainer(s, model, node, device)
+        trainer.load_global(prev)
+    else:
+        model = CausalLM(cfg)
+        model.load_canonical_state_dict(prev)
+        trainer = build_node_trainer(s, model.to(device), node)
+    if optim is None or optim:  # None: a sharded node's rank other than 0, whose shards come from rank 0
         trainer.load_optimizer_tensors(optim)
     torch.manual_seed(node_seed(s.seed, node, r))
     batch = method.node_batch_size
@@ -179,18 +190,19 @@ def train(p: Params, r: int, node: int, data: TokenData, prev: dict, model_confi
 
 
 def commit(p: Params, store: Store, run: str, r: int, node: int, inputs: RoundInputs, t: Trained,
-           checkpoint: bool, bytes_read0: int, bytes_written0: int) -> NodeReport:
-    """Rank 0: encode the upload, keep the node's state (and checkpoint it), commit the upload."""
+           trained: dict[str, torch.Tensor], optim: dict[str, torch.Tensor], checkpoint: bool, bytes_read0: int,
+           bytes_written0: int) -> NodeReport:
+    """Rank 0: encode the upload (`trained`: the trainer's upload), keep the node's state (`optim`: its
+    optimizer tensors) and checkpoint it, commit the upload."""
     t2 = time.perf_counter()
     s, layout = p.spes, RunLayout(run)
-    trained = t.trainer.upload()
     first_step = (r - 1) * s.sync_steps
     _check_finite(t.losses, first_step, node, r, trained)
     state, local = inputs.state, inputs.local
     codec = make_codec(p.sync.codec, p.sync.int8_block)
     files, residual = encode_upload(sync_method(s), codec, inputs.prev, trained, t.trainer.owned,
                                     state.residual if state is not None else None, p.sync.error_feedback)
-    saved = local.save_state(r, t.position, t.trainer.optimizer_tensors(), residual, files.get(EXPERTS_FILE, {}))
+    saved = local.save_state(r, t.position, optim, residual, files.get(EXPERTS_FILE, {}))
     if checkpoint:  # the same files, so the same digest: a resume can take it from either place
         store.remove(layout.state_dir(r, node))
         store.write_bundle(layout.state_dir(r, node), saved["files"], saved["meta"])
@@ -226,16 +238,22 @@ def node_round(p: Params, store: Store, run: str, r: int, node: int, data: Token
     returns its report.
 
     On a node of several ranks (torch.distributed initialized) every rank calls this: each trains on its
-    share of every batch (data parallel), rank 0 alone reads and writes storage and returns the report
-    (the others return None)."""
+    share of every batch (data parallel, the model replicated or sharded: spes.node_parallel), rank 0
+    alone reads and writes storage and returns the report (the others return None)."""
     lead = rank_and_size()[0] == 0
     done = committed_report(store, run, r, node) if lead else None
     if broadcast_object(done is not None):  # a retry after the node already finished
         return done
     read0, written0 = store.bytes_read, store.bytes_written
     inputs = read_inputs(p, store, run, r, node) if lead else None
-    prev, model_config, optim, position = _share(inputs)
+    prev, model_config, optim, position = _share(inputs, sharded(p))
     t = train(p, r, node, data, prev, model_config, optim, position, on_step)
+    trained, optim = t.trainer.upload(), t.trainer.optimizer_tensors()  # every rank: gathers under fsdp
     if not lead:
         return None
-    return commit(p, store, run, r, node, inputs, t, checkpoint, read0, written0)
+    return commit(p, store, run, r, node, inputs, t, trained, optim, checkpoint, read0, written0)
+
+
+def sharded(p: Params) -> bool:
+    """Whether this node's ranks shard the model (spes.node_parallel: fsdp over several ranks)."""
+    return p.spes.node_parallel == "fsdp" and rank_and_size()[1] > 1

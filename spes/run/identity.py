@@ -32,7 +32,7 @@ from spes.storage.tensorio import tensors_sha256
 
 FINGERPRINT_VERSION = 2
 FINGERPRINT_SECTIONS = ("model", "init", "spes", "sync", "tokenize", "data", "dense")
-NOT_IN_FINGERPRINT = {"model.experts_impl", "model.loss_impl", "model.loss_chunk_tokens"}
+NOT_IN_FINGERPRINT = {"model.experts_impl", "model.loss_impl", "model.loss_chunk_tokens", "spes.node_parallel"}
 """Implementation choices that leave the maths alone."""
 ADDED_LATER: dict[str, Any] = {"spes.optim.schedule": "cosine", "spes.optim.decay_fraction": 0.2,
                                "dense.optim.schedule": "cosine", "dense.optim.decay_fraction": 0.2}

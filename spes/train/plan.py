@@ -5,13 +5,18 @@
 - activations kept for the backward pass of one micro-batch, counted tensor by tensor from what this
   implementation saves (spes/model/transformer.py, spes/model/moe.py; checked against autograd's saved tensors in
   tests/spes/test_plan.py), with and without `spes.activation_checkpointing: block`;
-- a node of several ranks (DDP) holds all of it on every rank, activations of its own micro-batch.
+- a node of several ranks holds all of it on every rank with `spes.node_parallel: ddp` (plus DDP's gradient
+  buckets), or 1/G of the weights, gradients and Adam state with `fsdp`, plus what FSDP gathers: the root
+  unit (embeddings, final norm, LM head) for the whole step, two blocks at a time (the one computing and
+  the one prefetched); activations are those of the rank's micro-batch.
 
-    python -m spes.train.plan [--params params.yaml] [--gpu-mem 48GiB] [--json] [key=value ...]
+    python -m spes.plan [--params params.yaml] [--gpu-mem 48GiB] [--json] [key=value ...]
 
-prints it per node, against training the whole model on one device, and whether it fits. Under bf16
-autocast the estimate counts matmul inputs in bf16 and the bf16 weight copies autocast keeps; it is
-checked against measured peaks on the CPU in fp32 only (bench/memory_plan.py).
+(the same as `python -m spes.train.plan`) prints it per node, against training the whole model on one
+device, and whether it fits; then the peak per GPU of the largest node with ddp and fsdp, plain and chunked
+loss. Under bf16 autocast the estimate counts matmul inputs in bf16 and the bf16 weight copies autocast
+keeps (with fsdp the gathered weights are bf16 instead); it is checked against measured peaks on the CPU in
+fp32 only (bench/memory_plan.py).
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ import math
 import re
 from typing import Optional
 
-from spes.config.schema import ModelConfig, SpesConfig
+from spes.config.schema import LOSS_IMPLS, ModelConfig, SpesConfig
 from spes.errors import ConfigError
 from spes.model.names import canonical_shapes, is_expert_param
 from spes.sync.methods import sync_method
@@ -80,6 +85,8 @@ def saved_activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, che
     # RoPE's cos and sin (shared by the layers)
     # the loss keeps the log-softmax of the logits (plain), or only their logsumexp (chunked)
     loss = F32 if cfg.loss_impl == "chunked" else V * F32 + (V * act if autocast else 0)
+    if cfg.loss_impl != "chunked" and cfg.lm_head_z_loss_coef > 0:
+        loss += V * F32 + F32  # the z-loss's logsumexp keeps the fp32 logits (a copy under autocast), its output
     top = T * (I64 + (2 * D + 1) * F32 + D * act + loss) + 2 * seq_len * cfg.dim_per_head * F32
     blocks = 0 if checkpointing else L * block_activation_bytes(cfg, T, act)
     return L * (T * D * F32 + router_losses) + blocks + top
@@ -89,14 +96,17 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, checkpoin
                      autocast: Optional[str] = None) -> int:
     """Peak activation memory of one micro-batch's forward and backward: what autograd keeps, the logits
     the forward returns, and the backward's largest working set: the loss's gradient over the vocabulary
-    (two T x V fp32 tensors; with model.loss_impl chunked, three chunk x V ones) or, with checkpointing, a
-    recomputed block and its gradients."""
+    (two T x V fp32 tensors, three with the LM-head z-loss, whose gradient joins the cross-entropy's; with
+    model.loss_impl chunked, three chunk x V ones) or, with checkpointing, a recomputed block and its gradients."""
     T = micro_batch * seq_len
     act = F32 if autocast is None else 2
     if cfg.loss_impl == "chunked":  # no logits returned; the backward holds one chunk's logits, softmax, gradient
         returned, working = 0, 3 * min(cfg.loss_chunk_tokens, T) * cfg.vocab_size * F32
     else:
-        returned, working = T * cfg.vocab_size * act, 2 * T * cfg.vocab_size * F32
+        z = cfg.lm_head_z_loss_coef > 0
+        # the logits returned are those the z-loss keeps (counted as saved) unless autocast made a copy
+        returned = 0 if z and autocast is None else T * cfg.vocab_size * act
+        working = (3 if z else 2) * T * cfg.vocab_size * F32
     if checkpointing:
         working = max(working, 2 * block_activation_bytes(cfg, T, act))
     return saved_activation_bytes(cfg, micro_batch, seq_len, checkpointing, autocast) + returned + working
@@ -112,18 +122,59 @@ def autocast_weight_copies(cfg: ModelConfig, m: dict, frozen_dtype: str, checkpo
     return fp32 * 2
 
 
-def plan_node(cfg: ModelConfig, s: SpesConfig, node: int, ranks: int = 1) -> dict:
-    """The node's memory per rank: parameters, gradients, optimizer state, activations of one micro-batch."""
+def unit_params(cfg: ModelConfig, s: SpesConfig, node: int) -> dict[str, tuple[int, int]]:
+    """(trainable, frozen) parameter counts of each FSDP unit: 'root' and 'block' (the largest block)."""
+    own = sync_method(s).owned(node, cfg.num_experts)
+    units: dict[str, list[int]] = {}
+    for name, shape in canonical_shapes(cfg).items():
+        unit = name.split(".")[2] if name.startswith("model.layers.") else "root"
+        t, f = units.setdefault(unit, [0, 0]), math.prod(shape)
+        if is_expert_param(name):
+            t[0] += f // cfg.num_experts * len(own)
+            t[1] += f // cfg.num_experts * (cfg.num_experts - len(own))
+        else:
+            t[0] += f
+    blocks = [tuple(v) for k, v in units.items() if k != "root"]
+    return {"root": tuple(units["root"]), "block": max(blocks, key=sum) if blocks else (0, 0)}
+
+
+def fsdp_gathered_bytes(cfg: ModelConfig, s: SpesConfig, node: int) -> int:
+    """What a rank holds beyond its shards under fsdp at the step's peak, the start of the backward pass (all
+    activations kept): the root unit's weights, unsharded for the whole step, and the LM head's gradient the
+    loss has just made; the last block, gathered for its backward, and the one before it (prefetched). A
+    block's unsharded gradients exist only while its backward runs, by which time the activations of the
+    blocks after it are freed: not counted. Weights are gathered in the compute dtype (bf16 under autocast;
+    else fp32 and frozen experts in spes.frozen_dtype), gradients made in it."""
+    bf16 = s.autocast is not None
+
+    def weights(trainable: int, frozen: int) -> int:
+        return (trainable + frozen) * 2 if bf16 else trainable * F32 + frozen * DTYPE_BYTES[s.frozen_dtype]
+    u = unit_params(cfg, s, node)
+    root, block = u["root"], u["block"]
+    return weights(*root) + root[0] * (2 if bf16 else F32) + 2 * weights(*block)
+
+
+def plan_node(cfg: ModelConfig, s: SpesConfig, node: int, ranks: int = 1, parallel: Optional[str] = None) -> dict:
+    """The node's memory per rank: parameters, gradients, optimizer state, activations of one micro-batch.
+    `parallel`: ddp or fsdp over `ranks` ranks (default spes.node_parallel; one rank is neither)."""
     m = node_memory(cfg, s, node)
+    parallel = (parallel or s.node_parallel) if ranks > 1 else "single"
     micro = s.micro_batch_size or sync_method(s).node_batch_size // ranks
     for ckpt in (False, True):
         act = activation_bytes(cfg, micro, s.seq_len, ckpt, s.autocast)
-        if s.autocast:
+        if s.autocast and parallel != "fsdp":  # fsdp gathers the weights in bf16 instead (counted below)
             act += autocast_weight_copies(cfg, m, s.frozen_dtype, ckpt)
         m["activations_checkpointed_bytes" if ckpt else "activations_bytes"] = act
-    m["micro_batch"] = micro
+    m["micro_batch"], m["parallel"] = micro, parallel
+    if parallel == "fsdp":
+        m["sharded_bytes"] = math.ceil(m["total_bytes"] / ranks)
+        m["gathered_bytes"] = fsdp_gathered_bytes(cfg, s, node)
+        state = m["sharded_bytes"] + m["gathered_bytes"]
+    else:
+        state = m["total_bytes"] + (m["grads_bytes"] if parallel == "ddp" else 0)  # DDP's gradient buckets
+    m["state_bytes"] = state
     use = m["activations_checkpointed_bytes"] if s.activation_checkpointing == "block" else m["activations_bytes"]
-    m["peak_bytes"] = m["total_bytes"] + use
+    m["peak_bytes"] = state + use
     return m
 
 
@@ -136,47 +187,66 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * scale)
 
 
+def _gib(b: int) -> str:
+    return f"{b / 2**30:.2f} GiB"
+
+
+def variants(cfg: ModelConfig, s: SpesConfig, ranks: int) -> dict[str, dict[str, int]]:
+    """Peak per GPU of the largest node for each node_parallel (fsdp only with several ranks) x loss_impl."""
+    out: dict[str, dict[str, int]] = {}
+    for parallel in ("ddp", "fsdp") if ranks > 1 else ("ddp",):
+        for loss in LOSS_IMPLS:
+            c = dataclasses.replace(cfg, loss_impl=loss)
+            out.setdefault(parallel, {})[loss] = max(plan_node(c, s, i, ranks, parallel)["peak_bytes"]
+                                                     for i in range(sync_method(s).nodes))
+    return out
+
+
 def report(cfg: ModelConfig, s: SpesConfig, ranks: int, gpu_mem: Optional[int]) -> list[str]:
-    gib = 2**30
     full_s = SpesConfig(**{**s.__dict__, "method": "fedavg", "num_nodes": 1, "ownership": None})
     full = plan_node(cfg, full_s, 0, ranks)
+    how = f", {s.node_parallel}" if ranks > 1 else ""
     lines = [f"model: {sum(math.prod(v) for v in canonical_shapes(cfg).values()):,} parameters; micro-batch "
-             f"{full['micro_batch']} x {s.seq_len} tokens per rank, {ranks} rank(s) per node"]
+             f"{full['micro_batch']} x {s.seq_len} tokens per rank, {ranks} rank(s) per node{how}"]
     rows: dict[str, list[int]] = {}
     for i in range(sync_method(s).nodes):
         m = plan_node(cfg, s, i, ranks)
         fits = "" if gpu_mem is None else (" fits" if m["peak_bytes"] <= gpu_mem else " DOES NOT FIT") + \
-            f" in {gpu_mem / gib:.0f} GiB"
+            f" in {gpu_mem / 2**30:.0f} GiB"
+        held = f"; per rank {_gib(m['sharded_bytes'])} of shards + {_gib(m['gathered_bytes'])} gathered" \
+            if m["parallel"] == "fsdp" else ""
         rows.setdefault(
             f"trainable {m['trainable_params']:,} / frozen {m['frozen_params']:,} ({s.frozen_dtype}) params;"
-            f" weights {m['weights_bytes'] / gib:.2f} + grads {m['grads_bytes'] / gib:.2f} + Adam "
-            f"{m['optimizer_bytes'] / gib:.2f} GiB; activations {m['activations_bytes'] / gib:.2f} GiB "
-            f"({m['activations_checkpointed_bytes'] / gib:.2f} with block checkpointing); peak "
-            f"{m['peak_bytes'] / gib:.2f} GiB = {m['peak_bytes'] / full['peak_bytes']:.2f}x training the whole "
+            f" weights {m['weights_bytes'] / 2**30:.2f} + grads {m['grads_bytes'] / 2**30:.2f} + Adam "
+            f"{m['optimizer_bytes'] / 2**30:.2f} GiB{held}; activations {_gib(m['activations_bytes'])} "
+            f"({_gib(m['activations_checkpointed_bytes'])} with block checkpointing); peak per GPU "
+            f"{_gib(m['peak_bytes'])} = {m['peak_bytes'] / full['peak_bytes']:.2f}x training the whole "
             f"model{fits}", []).append(i)
     for text, nodes in rows.items():  # nodes with the same numbers share a line
         lines.append(f"node{'s' if len(nodes) > 1 else ''} {_ranges(nodes)}: {text}")
-    lines.append(f"whole model on one device: peak {full['peak_bytes'] / gib:.2f} GiB")
-    other = "plain" if cfg.loss_impl == "chunked" else "chunked"
-    alt = max(plan_node(dataclasses.replace(cfg, loss_impl=other), s, i, ranks)["peak_bytes"]
-              for i in range(sync_method(s).nodes))
-    lines.append(f"with model.loss_impl={other} (now {cfg.loss_impl}): node peak {alt / gib:.2f} GiB")
+    lines.append(f"whole model on one node of {ranks} rank(s): peak per GPU {_gib(full['peak_bytes'])}")
+    grid = variants(cfg, s, ranks)
+    lines.append("peak per GPU of the largest node: " + "; ".join(
+        f"{par} {loss} loss {_gib(b)}" for par, row in grid.items() for loss, b in row.items())
+        + ("" if ranks > 1 else " (fsdp needs orchestration.gpus_per_node >= 2)"))
     return lines
 
 
 def summary(cfg: ModelConfig, s: SpesConfig, ranks: int, gpu_mem: Optional[int]) -> dict:
-    """The largest node's plan as one JSON-able dict (`--json`): fits, peak bytes per GPU, and the same with
-    the other loss implementation."""
+    """The largest node's plan as one JSON-able dict (`--json`): fits, peak bytes per GPU, and the peaks of the
+    other node_parallel and loss_impl choices."""
     nodes = [plan_node(cfg, s, i, ranks) for i in range(sync_method(s).nodes)]
     worst = max(nodes, key=lambda m: m["peak_bytes"])
+    grid = variants(cfg, s, ranks)
     other = "plain" if cfg.loss_impl == "chunked" else "chunked"
-    alt = max(plan_node(dataclasses.replace(cfg, loss_impl=other), s, i, ranks)["peak_bytes"]
-              for i in range(len(nodes)))
     return {"fits": None if gpu_mem is None else worst["peak_bytes"] <= gpu_mem, "gpu_mem_bytes": gpu_mem,
-            "peak_bytes_per_gpu": worst["peak_bytes"], "ranks_per_node": ranks, "loss_impl": cfg.loss_impl,
-            f"peak_bytes_per_gpu_{other}_loss": alt, "micro_batch": worst["micro_batch"],
+            "peak_bytes_per_gpu": worst["peak_bytes"], "ranks_per_node": ranks, "node_parallel": worst["parallel"],
+            "loss_impl": cfg.loss_impl, f"peak_bytes_per_gpu_{other}_loss": grid["ddp" if ranks == 1 else
+                                                                               s.node_parallel][other],
+            "peak_bytes_per_gpu_by_choice": grid, "micro_batch": worst["micro_batch"],
             "activation_checkpointing": s.activation_checkpointing, "nodes": len(nodes),
-            "weights_grads_adam_bytes": worst["total_bytes"], "activations_bytes": worst["peak_bytes"] - worst["total_bytes"]}
+            "weights_grads_adam_bytes": worst["state_bytes"],
+            "activations_bytes": worst["peak_bytes"] - worst["state_bytes"]}
 
 
 def _ranges(nodes: list[int]) -> str:

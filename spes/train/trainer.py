@@ -20,7 +20,8 @@ from spes.model.losses import decayed_lb_factor
 from spes.model.moe import MoE
 from spes.model.transformer import CausalLM, ModelOutput
 from spes.sync.methods import sync_method
-from spes.train.devices import autocast
+from spes.train.devices import AUTOCAST_DTYPES, autocast
+from spes.train.distributed import broadcast_object, rank_and_size
 
 
 def stable_end(cfg: OptimConfig, total_steps: int) -> int:
@@ -52,23 +53,41 @@ class StepMetrics:
 
 
 class NodeTrainer:
-    """One node's optimizer steps. With torch.distributed initialized (a node of several ranks), the model
-    is wrapped in DistributedDataParallel: each rank takes its share of the step's batch, gradients are
-    averaged once per step (not per micro-batch), and every rank keeps the same replica and Adam state;
-    frozen experts are outside DDP's reduction (no gradient)."""
+    """One node's optimizer steps. With torch.distributed initialized (a node of several ranks) each rank
+    takes its share of the step's batch and gradients are averaged once per step (not per micro-batch):
+    `parallel='ddp'` wraps the model in DistributedDataParallel (every rank keeps the same replica and Adam
+    state; frozen experts are outside DDP's reduction), `parallel='fsdp'` shards weights, gradients and Adam
+    state over the ranks (spes/train/sharding.py). A model on the meta device (fsdp) gets its storage on
+    `device` here and its values from `load_global`.
+
+    What goes to storage (`upload`, `optimizer_tensors`) is full CPU tensors on rank 0 and empty on the other
+    ranks; under fsdp every rank must call them (they gather the shards)."""
 
     def __init__(self, model: CausalLM, owned: Iterable[int], optim: OptimConfig, total_steps: int,
                  frozen_dtype: torch.dtype = torch.float32, decayed_lb: bool = False,
-                 autocast_dtype: Optional[str] = None, micro_batch_size: Optional[int] = None):
+                 autocast_dtype: Optional[str] = None, micro_batch_size: Optional[int] = None,
+                 parallel: str = "ddp", device: Optional[torch.device] = None):
         self.model, self.cfg, self.total_steps = model, optim, total_steps
-        self.device = next(model.parameters()).device
         self.autocast_dtype = autocast_dtype
         self.micro_batch_size = micro_batch_size
         self.owned = tuple(sorted(owned))
         self.decayed_lb = decayed_lb
+        self.rank, self.ranks = rank_and_size()
+        self.lead = self.rank == 0
         if model.cfg.is_moe:
             model.set_trainable_experts(self.owned, frozen_dtype)
-        self.ddp = _wrap_ddp(model)
+        self.fsdp = parallel == "fsdp" and self.ranks > 1
+        self.ddp = None
+        if self.fsdp:
+            from spes.train.sharding import shard_model
+
+            shard_model(model, AUTOCAST_DTYPES.get(autocast_dtype))
+            if next(model.parameters()).is_meta:
+                model.to_empty(device=device)
+            self.device = next(model.parameters()).to_local().device
+        else:
+            self.ddp = _wrap_ddp(model) if self.ranks > 1 else None
+            self.device = next(model.parameters()).device
         decay, no_decay = [], []
         for _, p in self.trainable_named_parameters():
             (decay if p.ndim >= 2 or optim.decay_norms else no_decay).append(p)
@@ -115,13 +134,33 @@ class NodeTrainer:
             torch.nn.utils.clip_grad_norm_([p for _, p in self.trainable_named_parameters()], self.cfg.grad_clip)
         self.optimizer.step()
         tokens = B * input_ids_BS.shape[1]
-        if self.ddp is not None:  # report the node's step: mean loss, all ranks' tokens and expert loads
+        if self.ranks > 1:  # report the node's step: mean loss, all ranks' tokens and expert loads
             ce, counts, tokens = _node_totals(ce, counts, tokens)
         return StepMetrics(ce, tokens, counts)
 
     def _no_sync(self, skip: bool):
-        """DDP reduces gradients in the last micro-batch's backward only."""
+        """Gradients are reduced over the ranks in the last micro-batch's backward only."""
+        if self.fsdp:
+            self.model.set_requires_gradient_sync(not skip)
         return self.ddp.no_sync() if self.ddp is not None and skip else contextlib.nullcontext()
+
+    # -- the global model a round starts from ------------------------------------------------------
+    def load_global(self, sd: Optional[dict[str, torch.Tensor]]) -> None:
+        """The model's values from canonical tensors (rank 0's; under fsdp the others pass None)."""
+        if self.fsdp:
+            from spes.train.sharding import load_canonical_sharded
+
+            load_canonical_sharded(self.model, sd, self.lead)
+        else:
+            self.model.load_canonical_state_dict(sd)
+
+    def _full(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        """A CPU copy of the whole tensor on rank 0 (gathered from the shards under fsdp), None elsewhere."""
+        if self.fsdp:
+            from spes.train.sharding import gather
+
+            return gather(t, self.lead)
+        return t.detach().to("cpu", copy=True) if self.lead else None
 
     # -- what goes up at a sync: shared params + owned expert rows (canonical names) ----------------
     @torch.no_grad()
@@ -129,14 +168,15 @@ class NodeTrainer:
         up: dict[str, torch.Tensor] = {}
         for name, p in self.model.named_parameters():
             if ".mlp.experts.chunks." not in name:
-                up[name] = p.detach().to("cpu", copy=True)
+                up[name] = self._full(p)
         for i, layer in enumerate(self.model.model.layers):
             if isinstance(layer.mlp, MoE):
                 trained = [c for c in layer.mlp.experts.chunks if c.trainable]
                 for attr in ("gate_up_proj", "down_proj"):
-                    rows = [getattr(c, attr).detach() for c in trained]
-                    up[f"model.layers.{i}.mlp.experts.{attr}"] = torch.cat(rows).cpu() if rows else torch.empty(0)
-        return up
+                    rows = [self._full(getattr(c, attr)) for c in trained]
+                    if self.lead:
+                        up[f"model.layers.{i}.mlp.experts.{attr}"] = torch.cat(rows) if rows else torch.empty(0)
+        return up if self.lead else {}
 
     # -- optimizer state as flat tensors (safetensors-friendly, no pickle) ---------------------------
     def optimizer_tensors(self) -> dict[str, torch.Tensor]:
@@ -145,32 +185,39 @@ class NodeTrainer:
             st = self.optimizer.state.get(p)
             if not st:
                 continue
-            out[f"{name}::exp_avg"] = st["exp_avg"].detach().to("cpu", copy=True)
-            out[f"{name}::exp_avg_sq"] = st["exp_avg_sq"].detach().to("cpu", copy=True)
+            out[f"{name}::exp_avg"] = self._full(st["exp_avg"])
+            out[f"{name}::exp_avg_sq"] = self._full(st["exp_avg_sq"])
             out[f"{name}::step"] = torch.as_tensor(st["step"], dtype=torch.float64).cpu().reshape(1).clone()
-        return out
+        return out if self.lead else {}
 
-    def load_optimizer_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_optimizer_tensors(self, tensors: Optional[dict[str, torch.Tensor]]) -> None:
+        """Adam's state from `optimizer_tensors`' format (rank 0's; under fsdp the others pass None and get
+        their shards)."""
         names = {n for n, _ in self.trainable_named_parameters()}
-        stored = {k.split("::")[0] for k in tensors}
-        if stored and stored != names:
-            raise ValueError(f"optimizer state does not match this node's trainable parameters: "
-                             f"extra {sorted(stored - names)[:3]}, missing {sorted(names - stored)[:3]}")
+        if tensors is not None:
+            stored = {k.split("::")[0] for k in tensors}
+            if stored and stored != names:
+                raise ValueError(f"optimizer state does not match this node's trainable parameters: "
+                                 f"extra {sorted(stored - names)[:3]}, missing {sorted(names - stored)[:3]}")
+        steps = None if tensors is None else \
+            {n: float(tensors[f"{n}::step"].item()) for n in names if f"{n}::step" in tensors}
+        if self.fsdp:
+            from spes.train.sharding import scatter
+
+            steps = broadcast_object(steps)
         for name, p in self.trainable_named_parameters():
-            if f"{name}::exp_avg" not in tensors:
+            if name not in steps:
                 continue
-            self.optimizer.state[p] = {
-                "step": torch.tensor(float(tensors[f"{name}::step"].item())),
-                "exp_avg": tensors[f"{name}::exp_avg"].to(device=p.device, dtype=p.dtype, copy=True),
-                "exp_avg_sq": tensors[f"{name}::exp_avg_sq"].to(device=p.device, dtype=p.dtype, copy=True),
-            }
+            if self.fsdp:
+                moments = {k: scatter(tensors[f"{name}::{k}"] if self.lead else None, p)
+                           for k in ("exp_avg", "exp_avg_sq")}
+            else:
+                moments = {k: tensors[f"{name}::{k}"].to(device=p.device, dtype=p.dtype, copy=True)
+                           for k in ("exp_avg", "exp_avg_sq")}
+            self.optimizer.state[p] = {"step": torch.tensor(steps[name]), **moments}
 
 
 def _wrap_ddp(model: CausalLM):
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return None
     from torch.nn.parallel import DistributedDataParallel
 
     dev = next(model.parameters()).device
@@ -195,9 +242,10 @@ def _node_totals(ce: torch.Tensor, counts: Optional[torch.Tensor], tokens: int):
 FROZEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def build_node_trainer(s: SpesConfig, model: CausalLM, node: int) -> NodeTrainer:
+def build_node_trainer(s: SpesConfig, model: CausalLM, node: int, device: Optional[torch.device] = None) -> NodeTrainer:
     """The trainer of node `node` under the run's settings: its own experts (by `spes.ownership` or contiguous
-    blocks; every expert for the baselines) trainable, the others frozen in `spes.frozen_dtype`."""
+    blocks; every expert for the baselines) trainable, the others frozen in `spes.frozen_dtype`; its ranks
+    (if several) working as `spes.node_parallel` says. `device`: where a model on the meta device goes."""
     cfg = model.cfg
     own = sync_method(s).owned(node, cfg.num_experts)
     model.activation_checkpointing = s.activation_checkpointing == "block"
@@ -205,4 +253,4 @@ def build_node_trainer(s: SpesConfig, model: CausalLM, node: int) -> NodeTrainer
         for block in model.model.layers:
             block.compile()
     return NodeTrainer(model, own, s.optim, s.total_steps, FROZEN_DTYPES[s.frozen_dtype], s.decayed_lb, s.autocast,
-                       s.micro_batch_size)
+                       s.micro_batch_size, s.node_parallel, device)

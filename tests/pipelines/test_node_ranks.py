@@ -1,5 +1,5 @@
-"""A node of several ranks (a torchrun job, gloo on the CPU): the same step as one rank with the whole batch,
-and a resumed multi-rank node equals an uninterrupted one."""
+"""A node of several ranks (a torchrun job, gloo on the CPU), its model replicated (ddp) or sharded (fsdp):
+the same step as one rank with the whole batch, and a resumed multi-rank node equals an uninterrupted one."""
 import pytest
 import torch
 
@@ -12,9 +12,10 @@ from spes.sync.deltas import EXPERTS_FILE, SHARED_FILE
 from tests.spes.round.test_round import make_params, start
 
 
-def params(tmp_path, name, ranks, batch=4, micro=1):
+def params(tmp_path, name, ranks, batch=4, micro=1, parallel="ddp"):
     p = make_params(tmp_path, name)
     p.spes.batch_size, p.spes.micro_batch_size, p.orchestration.gpus_per_node = batch, micro, ranks
+    p.spes.node_parallel = parallel
     p.orchestration.min_nodes = 1  # node 0 alone makes each round: the other node's ranks are not needed
     return params_from_dict(to_dict(p))  # validated like a params file
 
@@ -33,10 +34,10 @@ def global_sha(run, r):
     return run.store.read_manifest(run.layout.global_dir(r))["files"][MODEL_FILE]["sha256"]
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory, tiny_tokens):
+@pytest.fixture(scope="module", params=["ddp", "fsdp"])
+def two_ranks(request, tmp_path_factory, tiny_tokens):
     tmp = tmp_path_factory.mktemp("ranks")
-    p = params(tmp, "two", ranks=2)
+    p = params(tmp, "two", ranks=2, parallel=request.param)
     run = start(p)
     metas = [node0(p, run, r, tiny_tokens) for r in (1, 2)]
     return p, run, metas
@@ -58,7 +59,7 @@ def test_two_ranks_equal_one_rank_with_the_whole_batch(two_ranks, tmp_path, tiny
 
 def test_a_resumed_two_rank_node_equals_an_uninterrupted_one(two_ranks, tmp_path, tiny_tokens):
     p, run, _ = two_ranks
-    q = params(tmp_path, "resumed", ranks=2)
+    q = params(tmp_path, "resumed", ranks=2, parallel=p.spes.node_parallel)
     resumed = start(q)
     node0(q, resumed, 1, tiny_tokens, checkpoint=True)
     import shutil

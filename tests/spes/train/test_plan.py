@@ -7,7 +7,15 @@ import torch
 from spes.config.schema import ModelConfig, SpesConfig
 from spes.model.names import canonical_shapes
 from spes.model.transformer import CausalLM
-from spes.train.plan import activation_bytes, node_memory, parse_bytes, plan_node, report, saved_activation_bytes
+from spes.train.plan import (
+    activation_bytes,
+    node_memory,
+    parse_bytes,
+    plan_node,
+    report,
+    saved_activation_bytes,
+    unit_params,
+)
 from tests.conftest import tiny_config
 
 
@@ -46,7 +54,7 @@ def saved_bytes(cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool 
 
 @pytest.mark.parametrize("changes", [dict(qk_norm="head"), dict(qk_norm="full", num_kv_heads=2),
                                      dict(qk_norm="none", num_experts=0), dict(num_experts=8, top_k=1),
-                                     dict(loss_impl="chunked", loss_chunk_tokens=16)])
+                                     dict(loss_impl="chunked", loss_chunk_tokens=16), dict(lm_head_z_loss_coef=1e-5)])
 @pytest.mark.parametrize("batch,seq_len", [(2, 48), (1, 64)])
 def test_activation_estimate_matches_autograds_saved_tensors(changes, batch, seq_len):
     cfg = tiny_config(**{"qk_norm": "none", **changes})
@@ -65,7 +73,7 @@ def test_plan_of_a_node_and_its_report():
     s.activation_checkpointing = "block"
     assert plan_node(cfg, s, 0)["peak_bytes"] == m["total_bytes"] + m["activations_checkpointed_bytes"]
     lines = report(cfg, s, 1, parse_bytes("1KiB"))
-    assert len(lines) == 4 and lines[3].startswith("with model.loss_impl=chunked (now plain)") and lines[1].startswith("nodes 0-1: trainable") and "DOES NOT FIT in 0 GiB" in lines[1]
+    assert len(lines) == 4 and lines[3].startswith("peak per GPU of the largest node: ddp plain loss") and lines[1].startswith("nodes 0-1: trainable") and "DOES NOT FIT in 0 GiB" in lines[1]
     assert "x training the whole model" in lines[1]
     assert parse_bytes("48GiB") == 48 * 2**30 and parse_bytes("80 GB") == 80 * 10**9
     with pytest.raises(ValueError, match="not a size"):
@@ -80,18 +88,52 @@ def test_the_chunked_loss_plan_drops_the_logits():
 
 
 
-@pytest.mark.parametrize("preset,fits", [("spes-1b", True), ("spes-9b-upcycle", True), ("spes-7b", False)])
-def test_the_presets_against_a_48gib_gpu(preset, fits):
-    """With the chunked loss the 1B (micro-batch 8) and the 9B upcycled (micro-batch 1) presets fit a 48 GiB
-    GPU with one GPU per node; the 7B needs its weights sharded over a node's GPUs (not implemented)."""
+@pytest.mark.parametrize("preset,ranks,parallel", [("spes-1b", 1, "single"), ("spes-2b-16nodes", 1, "single"),
+                                                    ("spes-9b-upcycle", 1, "single"), ("spes-7b", 4, "fsdp")])
+def test_every_preset_fits_a_48gib_gpu(preset, ranks, parallel):
+    """With the chunked loss the 1B, the 2B on 16 nodes (micro-batch 8) and the 9B upcycled (micro-batch 1)
+    presets fit a 48 GiB GPU with one GPU per node; the 7B with its node sharded over 4 GPUs."""
     import json
     import subprocess
     import sys
 
     from tests.conftest import ROOT
 
-    out = subprocess.run([sys.executable, "-m", "spes.train.plan", "--params", f"configs/{preset}.yaml",
+    out = subprocess.run([sys.executable, "-m", "spes.plan", "--params", f"configs/{preset}.yaml",
                           "--gpu-mem", "48GiB", "--json"], cwd=ROOT, capture_output=True, text=True, check=True)
     last = json.loads(out.stdout.strip().splitlines()[-1])
-    assert last["fits"] is fits and last["loss_impl"] == "chunked" and last["ranks_per_node"] == 1
+    assert last["fits"] is True and last["loss_impl"] == "chunked" and last["ranks_per_node"] == ranks
+    assert last["node_parallel"] == parallel and last["peak_bytes_per_gpu"] <= 48 * 2**30
     assert last["peak_bytes_per_gpu"] < last["peak_bytes_per_gpu_plain_loss"]
+    grid = last["peak_bytes_per_gpu_by_choice"]
+    assert set(grid) == ({"ddp", "fsdp"} if ranks > 1 else {"ddp"})
+    if ranks > 1:  # sharding is what makes it fit
+        assert grid["fsdp"]["chunked"] == last["peak_bytes_per_gpu"] < 48 * 2**30 < grid["ddp"]["chunked"]
+
+
+def test_fsdp_holds_a_share_of_the_node_plus_what_it_gathers():
+    cfg = tiny_config(vocab_size=512)
+    s = SpesConfig(num_nodes=2, batch_size=8, micro_batch_size=2, seq_len=32)
+    ddp, fsdp = plan_node(cfg, s, 0, 2, "ddp"), plan_node(cfg, s, 0, 2, "fsdp")
+    assert ddp["state_bytes"] == ddp["total_bytes"] + ddp["grads_bytes"]  # DDP's buckets: a second gradient
+    assert fsdp["sharded_bytes"] == math.ceil(fsdp["total_bytes"] / 2)
+    u = unit_params(cfg, s, 0)
+    # root: embeddings, LM head, final norm; a block: attention, norms, router, its 4 experts (2 owned)
+    assert u["root"] == (2 * 512 * 32 + 32, 0)
+    expert = 3 * 32 * 16
+    assert u["block"][1] == 2 * expert and sum(u["block"]) == sum(
+        math.prod(v) for k, v in canonical_shapes(cfg).items() if k.startswith("model.layers.0."))
+    gathered = u["root"][0] * (4 + 4) + 2 * sum(u["block"]) * 4  # root weights and gradient, two blocks (fp32)
+    assert fsdp["gathered_bytes"] == gathered and fsdp["state_bytes"] == fsdp["sharded_bytes"] + gathered
+    assert fsdp["activations_bytes"] == ddp["activations_bytes"] and fsdp["peak_bytes"] < ddp["peak_bytes"] * 2
+    assert plan_node(cfg, s, 0, 1, "fsdp")["parallel"] == "single"  # one rank: nothing to shard over
+
+
+def test_the_lm_head_z_loss_is_counted_on_the_plain_path():
+    cfg, z = tiny_config(vocab_size=8192), tiny_config(vocab_size=8192, lm_head_z_loss_coef=1e-5)
+    T = 8 * 64
+    # a third T x V gradient, and the logsumexp kept
+    assert activation_bytes(z, 8, 64) - activation_bytes(cfg, 8, 64) == T * 8192 * 4 + T * 4
+    # under bf16 autocast the z-loss also keeps the fp32 copy of the logits
+    assert activation_bytes(z, 8, 64, autocast="bfloat16") - activation_bytes(cfg, 8, 64, autocast="bfloat16") \
+        == 2 * T * 8192 * 4 + T * 4
