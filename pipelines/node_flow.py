@@ -1,11 +1,21 @@
-"""The node as a Prefect flow, for real clusters: serve it on every GPU machine,
+"""The nodes of one GPU machine as Prefect deployments, for real clusters. On each machine:
 
-    python -m pipelines.node_flow            # on each GPU machine (a worker per machine)
+    export PREFECT_API_URL=http://<orchestrator>:4200/api
+    python -m pipelines.node_flow --nodes 0,1           # deployments spes-node/spes-node-0, spes-node/spes-node-1
 
-and set `orchestration.executor: deployment`; each node task then calls run_deployment on it.
-The node reads the global model from shared storage and commits its bundle there, as in process mode.
-Token shards come from shared storage too (`tokens`: the key the training flow published them under),
-cached in `orchestration.node_cache_dir` on the node's machine; without a key, the local artifacts are used.
+and set `orchestration.executor: deployment`: node i's round runs as a flow run of `spes-node/spes-node-<i>`
+(orchestration.node_deployment), which only the machine that holds node i serves, so a node always runs
+where its state is. The machine keeps one warm process per node across rounds (pipelines/node_host.py);
+each flow run hands its request to it, writes the node's heartbeat on shared storage while it works
+(spes/run/heartbeat.py) and relays the node's log lines to the Prefect UI. At most `--limit` rounds run at
+once on this machine (default: one per visible GPU, or one per node on a CPU-only machine).
+
+`--spare` also serves `spes-node/spes-node-spare` (orchestration.spare_deployment): any node whose state
+allows it (on shared storage, or none yet) may be retried there when its own machine is lost.
+
+The node reads the global model from shared storage and commits its upload there. Token shards come from
+shared storage too (the key the training flow published them under), cached in
+`orchestration.node_cache_dir` on this machine.
 """
 
 # No `from __future__ import annotations` here: Prefect's runner pickles a served flow by value, and
@@ -13,42 +23,104 @@ cached in `orchestration.node_cache_dir` on the node's machine; without a key, t
 import os
 from typing import Optional
 
-from prefect import flow
+from prefect import flow, get_run_logger
 
-from pipelines.faults import FaultPlan
-from pipelines.node_ranks import run_node
+from pipelines.node_host import HOST_ENV, host_round
+from pipelines.request import NodeRequest
 from spes.config.loader import params_from_dict
-from spes.run.token_share import fetch_tokens
-from spes.storage.store import Store
-from spes.train.devices import node_threads
+from spes.run.heartbeat import Heartbeat
+from spes.storage.files import FileStore
+
+SPARE = "spare"
 
 
 @flow(name="spes-node", flow_run_name="{run}-node-{node}-round-{r}")
 def spes_node(params: dict, run: str, r: int, node: int, tokens: Optional[str] = None, checkpoint: bool = False) -> dict:
     p = params_from_dict(params)
+    store = FileStore.from_config(p.storage)
+    req = NodeRequest(params, run, r, node, checkpoint, tokens)
+    logger = get_run_logger()
+    with Heartbeat(store, run, r, node, p.orchestration.heartbeat_timeout_s / 4):
+        host = os.environ.get(HOST_ENV)
+        if host:  # the machine's warm node process
+            report = host_round(host, req, lambda line: logger.info("node %d | %s", node, line))
+        else:  # served without a host (a flow run started by hand): the round in this process
+            report = _in_process(p, req)
+    return report.to_json()
+
+
+def _in_process(p, req: NodeRequest):
     import torch
 
-    threads = node_threads(p, 1)  # a deployment node has its machine to itself
+    from pipelines.faults import FaultPlan
+    from pipelines.node_ranks import run_node
+    from pipelines.node_worker import tokens_folder
+    from spes.storage.store import Store
+    from spes.train.devices import node_threads
+
+    threads = node_threads(p, 1)
     torch.set_num_threads(threads)
     store = Store.from_config(p.storage)
-    folder = os.path.join(p.artifacts_dir, "tokens")
-    if tokens:
-        folder = fetch_tokens(store, tokens, p.orchestration.node_cache_dir).folder
-    return run_node(p, store, run, r, node, folder, threads, on_step=FaultPlan.from_env().hook(run, r, node),
-                    checkpoint=checkpoint).to_json()
+    return run_node(p, store, req.run, req.round, req.node, tokens_folder(p, store, req), threads,
+                    on_step=FaultPlan.from_env().hook(req.run, req.round, req.node), checkpoint=req.checkpoint)
+
+
+def parse_nodes(text: str) -> list[int]:
+    """'0,1' or '0-3' or '0,2-3' -> node ids."""
+    out: list[int] = []
+    for part in filter(None, (t.strip() for t in text.split(","))):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise SystemExit(f"node_flow: --nodes {text!r}: expected node ids like 0,1 or 0-3")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return sorted(set(out))
+
+
+def default_limit(nodes: int) -> int:
+    """Rounds at once on this machine: one per visible GPU; on a CPU-only machine one per node it serves."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count()
+    return max(1, nodes)
 
 
 def main() -> None:
     import argparse
 
+    from prefect import serve
+
+    from pipelines.node_host import NodeHost
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--name", default="spes-node", help="the deployment's name (orchestration.node_deployment "
-                                                         "is '<flow>/<name>': spes-node/spes-node)")
+    ap.add_argument("--nodes", default="", help="the nodes this machine holds, e.g. 0,1 or 0-3")
+    ap.add_argument("--spare", action="store_true", help="also take any node whose state allows it (spare deployment)")
+    ap.add_argument("--name", default="spes-node-{node}",
+                    help="deployment name per node; orchestration.node_deployment is 'spes-node/<this>'")
+    ap.add_argument("--limit", type=int, default=None, help="rounds at once on this machine (default: one per GPU)")
+    ap.add_argument("--poll-s", type=float, default=1.0, help="seconds between the runner's queries for new runs")
     a = ap.parse_args()
+    nodes = parse_nodes(a.nodes)
+    if not nodes and not a.spare:
+        raise SystemExit("node_flow: name the nodes this machine holds (--nodes 0,1) and/or --spare")
     if not os.environ.get("PREFECT_API_URL"):  # else it would serve against a temporary server nobody sees
         raise SystemExit("node_flow: PREFECT_API_URL is not set; point it at the orchestrator's Prefect server, "
                          "e.g. export PREFECT_API_URL=http://<orchestrator>:4200/api")
-    spes_node.serve(name=a.name)
+    host = NodeHost(None if a.spare else nodes)
+    os.environ[HOST_ENV] = host.path  # the flow runs the runner starts inherit it
+    host.start_workers()
+    names = [a.name.replace("{node}", str(i)) for i in nodes] + ([a.name.replace("{node}", SPARE)] if a.spare else [])
+    # no deployment concurrency limit: Prefect reschedules a run refused a slot ~30 s later; the host runs
+    # one round per node at a time instead (a second request for a node waits for the first)
+    deployments = [spes_node.to_deployment(name=n) for n in names]
+    try:
+        serve(*deployments, limit=a.limit or default_limit(len(names)), query_seconds=a.poll_s,
+              print_starting_message=True)
+    finally:
+        host.close()
 
 
 if __name__ == "__main__":

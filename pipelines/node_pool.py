@@ -58,8 +58,11 @@ class NodeProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def run_round(self, req: NodeRequest, timeout_s: float, log: Callable[[str], None]) -> tuple[str, Optional[NodeReport]]:
-        """('ok', meta) or ('timeout', None); raises NodeFailed if the process dies or the round errors."""
+    def run_round(self, req: NodeRequest, timeout_s: float, log: Callable[[str], None],
+                  cancelled: Optional[Callable[[], bool]] = None) -> tuple[str, Optional[NodeReport]]:
+        """('ok', meta), ('timeout', None) or, when `cancelled()` turns true (checked every second),
+        ('cancelled', None); the process is killed in both of the latter. Raises NodeFailed if the process
+        dies or the round errors."""
         try:
             self.proc.stdin.write(json.dumps(req.to_json()) + "\n")
             self.proc.stdin.flush()
@@ -68,8 +71,13 @@ class NodeProcess:
         deadline = time.time() + timeout_s
         while True:
             try:
-                line = self.lines.get(timeout=max(0.01, deadline - time.time()))
+                line = self.lines.get(timeout=max(0.01, min(1.0, deadline - time.time())))
             except queue.Empty:
+                if cancelled is not None and cancelled():
+                    self.kill()
+                    return "cancelled", None
+                if time.time() < deadline:
+                    continue
                 self.kill()
                 return "timeout", None
             if line is None:

@@ -55,7 +55,7 @@ def run_node(p, store, run: str, r: int, node: int, tokens_dir: str, threads: in
     with tempfile.TemporaryDirectory(prefix=f"spes-node{node}-r{r}-") as tmp:
         cmd, out = os.path.join(tmp, "cmd.json"), os.path.join(tmp, "out.json")
         with open(cmd, "w") as f:
-            json.dump({"request": NodeRequest(to_dict(p), run, r, node, checkpoint, tokens_dir).to_json(),
+            json.dump({"request": NodeRequest(to_dict(p), run, r, node, checkpoint, tokens_dir=tokens_dir).to_json(),
                        "threads": max(1, threads // g)}, f)
         env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         rc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={g}",
@@ -81,7 +81,7 @@ def rank_main(cmd_path: str, out_path: str) -> None:
 
     with open(cmd_path) as f:
         cmd = json.load(f)
-    req = NodeRequest.from_json(cmd["request"])  # here `tokens` is the local token folder
+    req = NodeRequest.from_json(cmd["request"])
     p = params_from_dict(req.params)
     node, local_rank = req.node, int(os.environ["LOCAL_RANK"])
     device = resolve_device(p.orchestration.device, node * p.orchestration.gpus_per_node + local_rank)
@@ -90,7 +90,7 @@ def rank_main(cmd_path: str, out_path: str) -> None:
     torch.set_num_threads(int(cmd["threads"]))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
-        meta = node_round(p, Store.from_config(p.storage), req.run, req.round, node, TokenData.open(req.tokens),
+        meta = node_round(p, Store.from_config(p.storage), req.run, req.round, node, TokenData.open(req.tokens_dir),
                           checkpoint=req.checkpoint)
         if dist.get_rank() == 0:
             with open(out_path + ".part", "w") as f:

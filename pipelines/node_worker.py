@@ -1,5 +1,5 @@
 """A node's long-lived process: `python -m pipelines.node_worker` reads one JSON command per line on stdin,
-  {"params": {...resolved params...}, "run": "...", "round": r, "node": i, "checkpoint": bool}
+  {"params": {...resolved params...}, "run": "...", "round": r, "node": i, "checkpoint": bool, "tokens": key}
 runs that node's round (spes.round.node: its state from its local folder, the global from storage; a
 torchrun job of orchestration.gpus_per_node ranks where that is > 1, see node_ranks.py) and
 answers one line `RESULT {...}` on stdout with the node's meta. Staying alive across rounds saves the
@@ -15,6 +15,18 @@ import os
 import sys
 
 RESULT = "RESULT "
+
+
+def tokens_folder(p, store, req) -> str:
+    """Where this node reads token shards: the sender's folder, the shards published on shared storage under
+    `req.tokens` (fetched once into orchestration.node_cache_dir, sha256-verified), or the local artifacts."""
+    if req.tokens_dir:
+        return req.tokens_dir
+    if req.tokens:
+        from spes.run.token_share import fetch_tokens
+
+        return fetch_tokens(store, req.tokens, p.orchestration.node_cache_dir).folder
+    return os.path.join(p.artifacts_dir, "tokens")
 
 
 def serve() -> int:
@@ -47,7 +59,7 @@ def serve() -> int:
             torch.set_num_threads(threads)
             r, node, run = req.round, req.node, req.run
             store = Store.from_config(p.storage)
-            meta = run_node(p, store, run, r, node, os.path.join(p.artifacts_dir, "tokens"), threads,
+            meta = run_node(p, store, run, r, node, tokens_folder(p, store, req), threads,
                             on_step=faults.hook(run, r, node), checkpoint=req.checkpoint)
             faults.after_commit(run, r, node, store.path(RunLayout(run).node_dir(r, node)))
             out = {"ok": True, "meta": meta.to_json()}

@@ -20,6 +20,9 @@ from typing import Iterator
 
 from pipelines.node_pool import spawn
 
+TEMPORARY_API_ENV = "SPES_TEMPORARY_PREFECT_API"
+"""Set while PREFECT_API_URL points at the temporary server started here (no other machine can reach it)."""
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -72,12 +75,14 @@ def prefect_api(startup_timeout_s: float = 180.0) -> Iterator[str]:
                 raise RuntimeError(f"the local Prefect server did not answer on {url} within {startup_timeout_s:.0f}s")
             time.sleep(0.2)
         os.environ["PREFECT_API_URL"] = url
+        os.environ[TEMPORARY_API_ENV] = url
         # the temporary server has no UI and dies with the stage: no "View at http://..." link to a 404
         os.environ.setdefault("PREFECT_UI_URL", "")
         yield url
     finally:
         _drain_prefect_workers()  # send the last logs and events while the server still listens
         os.environ.pop("PREFECT_API_URL", None)
+        os.environ.pop(TEMPORARY_API_ENV, None)
         if os.environ.get("PREFECT_UI_URL") == "":
             os.environ.pop("PREFECT_UI_URL")
         proc.terminate()

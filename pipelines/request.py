@@ -19,6 +19,8 @@ class NodeRequest:
     """Also write the node's state to shared storage after this round."""
     tokens: Optional[str] = None
     """Key of the token shards on shared storage (deployments), or None: the local artifacts."""
+    tokens_dir: Optional[str] = None
+    """The node's local folder of token shards, where the sender already has one (torchrun ranks)."""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -27,7 +29,7 @@ class NodeRequest:
     def from_json(cls, d: dict) -> "NodeRequest":
         try:
             return cls(dict(d["params"]), str(d["run"]), int(d["round"]), int(d["node"]), bool(d.get("checkpoint")),
-                       d.get("tokens"))
+                       d.get("tokens"), d.get("tokens_dir"))
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"not a node request ({type(e).__name__}: {e})") from None
 

@@ -13,7 +13,9 @@ artifact per round (node, loss, tokens, bytes up/down, seconds, expert load) sho
 
 # No `from __future__ import annotations` here: Prefect's runner pickles a served flow by value, and
 # its parameter annotations must resolve as objects in the child process.
+import logging
 import re
+import threading
 import time
 from typing import Any, Optional
 
@@ -23,6 +25,7 @@ from prefect.futures import wait
 
 from pipelines.formatting import fmt_balance, fmt_bytes, fmt_loss, fmt_seconds
 from pipelines.node_pool import POOL
+from pipelines.prefect_api import TEMPORARY_API_ENV
 from pipelines.request import NodeRequest
 from spes.config.loader import to_dict
 from spes.config.schema import Params
@@ -30,9 +33,11 @@ from spes.errors import NodeFailed, retryable
 from spes.round.aggregator import Aggregator
 from spes.round.driver import HeldOutProbe, run_round
 from spes.round.node import committed_report
+from spes.run.heartbeat import HeartbeatWatch
 from spes.run.records import GlobalMeta, NodeReport, RoundRecord
 from spes.run.run import Run
 from spes.storage.store import Store
+from spes.sync.methods import sync_method
 
 
 def artifact_key(*parts: Any) -> str:
@@ -45,39 +50,190 @@ def _run_node_process(p: Params, run: str, r: int, node: int, timeout_s: float,
     """Run the round on the node's long-lived process, relaying its output to the Prefect log."""
     logger = get_run_logger()
     req = NodeRequest(to_dict(p), run, r, node, checkpoint)
-    return POOL.get(node).run_round(req, timeout_s, lambda line: logger.info("node %d | %s", node, line))
+    status, report = POOL.get(node).run_round(req, timeout_s, lambda line: logger.info("node %d | %s", node, line),
+                                              cancelled=STOPPING.is_set)
+    if status == "cancelled":
+        raise Stopped(f"node {node} round {r}: the orchestrator is stopping")
+    return status, report
+
+
+POLL_S = 0.5
+"""How often the orchestrator looks at a node's flow run (a cheap API read); heartbeats: every timeout/4."""
+
+STOPPING = threading.Event()
+"""Set when the orchestrator is told to stop (SIGTERM/SIGINT): waiting node tasks give up at once."""
+_IN_FLIGHT: dict = {}
+_IN_FLIGHT_LOCK = threading.Lock()
+
+
+_LOST: set = set()
+"""(run, round, node) whose machine was lost in that round (this process)."""
+
+
+class NodeLost(NodeFailed):
+    """A deployment node whose heartbeat stopped: retried (on the spare deployment if its state allows)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, retryable=True)
+
+
+class Stopped(NodeFailed):
+    """The orchestrator is stopping: the node's run was cancelled, nothing to retry."""
+
+    def __init__(self, message: str):
+        super().__init__(message, retryable=False)
+
+
+def node_deployment(template: str, node) -> str:
+    return template.replace("{node}", str(node))
 
 
 def _run_node_deployment(p: Params, run: str, r: int, node: int, timeout_s: float, checkpoint: bool,
-                         tokens_key: Optional[str]) -> tuple[str, Optional[NodeReport]]:
-    """Real clusters: the node runs as a flow on a worker of a GPU machine (see pipelines/node_flow.py),
-    reading the token shards published to shared storage under `tokens_key`. Its result reaches us through
-    storage (the node's committed bundle), the one channel both sides share."""
+                         tokens_key: Optional[str], target: Optional[str] = None) -> tuple[str, Optional[NodeReport]]:
+    """Real clusters: the node runs as a flow run of its deployment, served by the machine that holds it (see
+    pipelines/node_flow.py), reading the token shards published to shared storage under `tokens_key`. Its
+    result reaches us through storage (the node's committed upload), the one channel both sides share. While
+    it runs, its heartbeat on storage must keep changing: a node silent for heartbeat_timeout_s (its machine
+    dead, or nobody serving its deployment) is lost: its flow run is cancelled and NodeFailed raised."""
+    from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
-    fr = run_deployment(p.orchestration.node_deployment,
-                        parameters=NodeRequest(to_dict(p), run, r, node, checkpoint, tokens_key).deployment_parameters(),
-                        timeout=timeout_s, flow_run_name=f"{run}-node-{node}-round-{r}")
-    if fr.state is None or not fr.state.is_final():
-        _cancel_flow_run(fr.id)  # a straggler must not keep its GPU busy into the next round
-        return "timeout", None
-    if not fr.state.is_completed():
-        raise NodeFailed(f"node {node} round {r}: deployment run ended {fr.state.name}")
-    report = committed_report(Store.from_config(p.storage), run, r, node)
+    o, logger = p.orchestration, get_run_logger()
+    name = target or node_deployment(o.node_deployment, node)
+    store = Store.from_config(p.storage)
+    fr = run_deployment(name, parameters=NodeRequest(to_dict(p), run, r, node, checkpoint, tokens_key).deployment_parameters(),
+                        timeout=0, flow_run_name=f"{run}-node-{node}-round-{r}")
+    with _IN_FLIGHT_LOCK:
+        _IN_FLIGHT[fr.id] = f"node {node} round {r}"
+    watch, deadline = HeartbeatWatch(store, run, r, node), time.time() + timeout_s
+    beat_every, next_beat = o.heartbeat_timeout_s / 4, 0.0
+    try:
+        with get_client(sync_client=True) as client:
+            while True:
+                state = client.read_flow_run(fr.id).state
+                if state is not None and state.is_final():
+                    break
+                if STOPPING.is_set():
+                    _cancel_flow_run(fr.id, state)
+                    raise Stopped(f"node {node} round {r}: the orchestrator is stopping; its flow run was cancelled")
+                if time.time() >= deadline:
+                    _cancel_flow_run(fr.id, state)  # a straggler must not keep its GPU busy into the next round
+                    return "timeout", None
+                if time.monotonic() >= next_beat:
+                    watch.poll()
+                    next_beat = time.monotonic() + beat_every
+                if watch.silent_s() > o.heartbeat_timeout_s:
+                    _cancel_flow_run(fr.id, state)
+                    raise NodeLost(f"node {node} round {r}: lost: no heartbeat for {watch.silent_s():.0f} s "
+                                   f"(orchestration.heartbeat_timeout_s) from {name}, its flow run "
+                                   f"{state.name if state else 'not started'}; cancelled it")
+                time.sleep(POLL_S)
+    finally:
+        with _IN_FLIGHT_LOCK:
+            _IN_FLIGHT.pop(fr.id, None)
+    if not state.is_completed():
+        raise NodeFailed(f"node {node} round {r}: deployment run ended {state.name}")
+    report = committed_report(store, run, r, node)
     if report is None:
         raise NodeFailed(f"node {node} round {r}: its deployment run completed but no upload is committed")
+    if target is not None:
+        logger.info("node %d round %d ran on %s", node, r, target)
     return "ok", report
 
 
-def _cancel_flow_run(flow_run_id) -> None:
+def _cancel_flow_run(flow_run_id, state=None) -> None:
+    """Cancel a node's flow run: a running one through its runner (CANCELLING: the runner kills it), one that
+    never started at once (CANCELLED: there may be no runner left to act on it)."""
     from prefect.client.orchestration import get_client
-    from prefect.states import Cancelling
+    from prefect.states import Cancelled, Cancelling
+
+    started = state is not None and state.is_running()
+    try:
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(flow_run_id, Cancelling() if started else Cancelled(), force=True)
+    except Exception as e:  # the round goes on without the node either way
+        logging.getLogger("spes.pipelines").warning("could not cancel node flow run %s: %s", flow_run_id, e)
+
+
+def cancel_in_flight() -> list[str]:
+    """Stop every node task of this process and cancel the node flow runs it waits for (on SIGTERM/SIGINT);
+    returns what was cancelled."""
+    STOPPING.set()
+    POOL.close()  # process executor: its node processes end now
+    with _IN_FLIGHT_LOCK:
+        runs = dict(_IN_FLIGHT)
+    for run_id in runs:
+        _cancel_flow_run(run_id, _state_of(run_id))
+    return list(runs.values())
+
+
+def _state_of(flow_run_id):
+    from prefect.client.orchestration import get_client
 
     try:
         with get_client(sync_client=True) as client:
-            client.set_flow_run_state(flow_run_id, Cancelling(), force=True)
-    except Exception as e:  # the round goes on without the node either way
-        get_run_logger().warning("could not cancel node flow run %s: %s", flow_run_id, e)
+            return client.read_flow_run(flow_run_id).state
+    except Exception:
+        return None
+
+
+def check_node_deployments(p: Params) -> None:
+    """Before any round (executor deployment): a Prefect API the node machines can reach, and each node's
+    deployment there with a live runner; one line naming what is missing."""
+    import os
+
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    if os.environ.get(TEMPORARY_API_ENV):
+        raise NodeFailed("orchestration.executor is deployment, but PREFECT_API_URL is not set: node machines cannot "
+                         "reach this process's temporary Prefect server; start one (prefect server start --host "
+                         "0.0.0.0) and export PREFECT_API_URL=http://<this machine>:4200/api here and on every "
+                         "node machine", retryable=False)
+    nodes = range(sync_method(p.spes).nodes)
+    names = sorted({node_deployment(p.orchestration.node_deployment, i) for i in nodes})
+    missing, idle = [], []
+    with get_client(sync_client=True) as client:
+        for name in names:
+            try:
+                d = client.read_deployment_by_name(name)
+            except ObjectNotFound:
+                missing.append(name)
+                continue
+            if str(getattr(d, "status", "READY")).upper().endswith("NOT_READY"):
+                idle.append(name)
+    if missing or idle:
+        parts = ([f"no deployment {', '.join(missing)}"] if missing else []) + \
+                ([f"no live runner for {', '.join(idle)}"] if idle else [])
+        raise NodeFailed(f"orchestration.executor is deployment: {'; '.join(parts)} on {os.environ.get('PREFECT_API_URL')}"
+                         " (on each node machine: python -m pipelines.node_flow --nodes <its nodes>)", retryable=False)
+
+
+def stop_on_signals() -> None:
+    """SIGTERM and SIGINT stop the orchestrator within seconds: node tasks give up, node flow runs are
+    cancelled, node processes end, and the flow unwinds (releasing the run's lease on the way out)."""
+    import signal
+
+    def stop(signum, frame):
+        cancelled = cancel_in_flight()
+        logging.getLogger("spes.pipelines").warning("%s: stopping; cancelled %s", signal.Signals(signum).name,
+                                                    ", ".join(cancelled) or "no node flow run")
+        raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+
+
+def _spare_allows(p: Params, run: str, r: int, node: int) -> Optional[str]:
+    """Where a lost node may be retried instead of its own machine: the spare deployment, when its state is
+    on shared storage (a checkpoint) or it has none yet; else None."""
+    if not p.orchestration.spare_deployment:
+        return None
+    meta = Run(Store.from_config(p.storage), run).global_meta(r - 1)
+    ref = meta.node_states.get(node)
+    if ref is None or ref.checkpoint:
+        return p.orchestration.spare_deployment
+    return None
 
 
 @task(task_run_name="node-{node}-round-{r}")
@@ -92,7 +248,19 @@ def node_task(p: Params, run: str, r: int, node: int, deadline: float, checkpoin
     if remaining <= 0:
         return NodeReport(node, "timeout")
     if p.orchestration.executor == "deployment":
-        status, report = _run_node_deployment(p, run, r, node, remaining, checkpoint, tokens_key)
+        target = None
+        if (run, r, node) in _LOST:  # its machine was lost this round: elsewhere, if its state allows
+            target = _spare_allows(p, run, r, node)
+            if target:
+                ref = Run(Store.from_config(p.storage), run).global_meta(r - 1).node_states.get(node)
+                get_run_logger().warning("node %d round %d: its machine was lost; retrying it on %s (its state %s)",
+                                         node, r, target, f"from the checkpoint of round {ref.round}" if ref else
+                                         "new: its first round")
+        try:
+            status, report = _run_node_deployment(p, run, r, node, remaining, checkpoint, tokens_key, target)
+        except NodeLost:
+            _LOST.add((run, r, node))
+            raise
     else:
         status, report = _run_node_process(p, run, r, node, remaining, checkpoint)
     if status != "ok":

@@ -18,7 +18,7 @@ from prefect.runtime import flow_run
 
 from pipelines.formatting import load_heatmap, sparkline
 from pipelines.node_pool import POOL
-from pipelines.round import artifact_key, round_task
+from pipelines.round import artifact_key, check_node_deployments, round_task
 from spes.config.loader import load_params, to_dict
 from spes.config.schema import Params
 from spes.data.tokens import TokenData, check_vocab
@@ -68,6 +68,8 @@ def spes_training(params_path: str = "params.yaml", overrides: Optional[list[str
     run = p.orchestration.run_name
     if not run_name:
         _rename_flow_run(run, stage, resume_round)
+    if p.orchestration.executor == "deployment":
+        check_node_deployments(p)  # before the lease and any round: the API and every node's runner
     store = Store.from_config(p.storage)
     with RunLease(store, run, p.orchestration.lock_ttl_s) as lease:
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Any, Optional
 
 import yaml
@@ -31,6 +32,8 @@ from spes.config.schema import (
     check_name,
 )
 from spes.errors import ConfigError, OwnershipError
+
+DEPLOYMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 REPLACED = ("compare.variants",)
 """Settings an including file replaces whole instead of merging into (see _load_with_includes)."""
@@ -101,6 +104,14 @@ def _check_training(p: Params) -> None:
     _need(s.rounds >= 1, f"spes.rounds must be >= 1, got {s.rounds}")
     _need(0 <= s.warmup_rounds <= s.rounds, f"spes.warmup_rounds ({s.warmup_rounds}) must be in [0, spes.rounds={s.rounds}]")
     _need(s.batch_size >= 1, f"spes.batch_size must be >= 1, got {s.batch_size}")
+    o = p.orchestration
+    _need(o.heartbeat_timeout_s > 0, f"orchestration.heartbeat_timeout_s must be > 0, got {o.heartbeat_timeout_s}")
+    for key, value in (("node_deployment", o.node_deployment), ("spare_deployment", o.spare_deployment)):
+        if value is None and key == "spare_deployment":
+            continue
+        ok = isinstance(value, str) and DEPLOYMENT_NAME.fullmatch(value.replace("{node}", "0")) is not None
+        _need(ok and value.count("{") == value.count("{node}"),
+              f"orchestration.{key} must be '<flow>/<deployment>' (optionally with {{node}}), got {value!r}")
     ranks = p.orchestration.gpus_per_node
     _need(ranks >= 1, f"orchestration.gpus_per_node must be >= 1, got {ranks}")
     _need(s.batch_size % ranks == 0,

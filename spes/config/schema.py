@@ -318,7 +318,18 @@ class OrchestrationConfig:
     the fingerprint does not see): its rounds are set aside to superseded/."""
     executor: str = "process"
     """'process' = one subprocess per node on this machine; 'deployment' = run_deployment per node."""
-    node_deployment: str = "spes-node/spes-node"
+    node_deployment: str = "spes-node/spes-node-{node}"
+    """Deployment '<flow>/<name>' node i runs on ({node} is replaced by i): each machine serves the nodes it
+    holds (`python -m pipelines.node_flow --nodes 0,1`), so a node always runs where its state is. Without
+    {node}, every node runs on whichever machine takes it: only sound when its state comes from storage
+    (checkpoint.every_rounds: 1)."""
+    spare_deployment: Optional[str] = None
+    """A deployment served by machines that can take any node (`node_flow --spare`): a node lost with its
+    machine is retried there when its state allows (on shared storage, or none yet), the run saying so."""
+    heartbeat_timeout_s: float = 60.0
+    """Deployment nodes rewrite a heartbeat on shared storage every timeout/4; a node silent this long (its
+    machine dead, or never picked up) is declared lost: its flow run is cancelled and it is retried
+    (orchestration.node_retries) or left out under the quorum."""
     device: str = "auto"
     """Where nodes (and the dense stage) compute: auto | cpu | cuda | cuda:K (see spes/train/devices.py)."""
     node_cache_dir: str = "~/.cache/spes"

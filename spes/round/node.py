@@ -100,6 +100,8 @@ def read_inputs(p: Params, store: Store, run: str, r: int, node: int) -> RoundIn
     if info is None:
         raise ProtocolError(f"run {run!r} has no info on {store.url}")
     local = NodeStateDir(node_state_root(p), store.url, run, info["run_id"], node)
+    for gone in local.remove_superseded():  # this machine keeps no state of runs nobody can resume
+        log.info("node %d: removed the state of a superseded run: %s", node, gone)
     prev_manifest = store.read_manifest(layout.global_dir(r - 1))
     prev_meta = GlobalMeta.from_json(prev_manifest["meta"], f"{store.url}/{layout.global_dir(r - 1)}")
     ref = prev_meta.node_states.get(node)

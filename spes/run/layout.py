@@ -68,6 +68,10 @@ class RunLayout:
     def record_dir(self, r: int) -> str:
         return f"{self.round_dir(r)}/record"
 
+    def heartbeat(self, node: int) -> str:
+        """The node's heartbeat while it works on a round on another machine (spes/run/heartbeat.py)."""
+        return f"{self.base}/heartbeats/{node:03d}.json"
+
     def rejected_dir(self, r: int, node: int, stamp: str) -> str:
         return f"{self.base}/rejected/{r:06d}-{node:03d}-{stamp}"
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from typing import Optional
 
@@ -139,6 +140,24 @@ class NodeStateDir:
         for name in self.local.list_names("rounds"):
             if name.isdigit() and int(name) < r:
                 self.local.remove(f"rounds/{name}")
+
+    def remove_superseded(self) -> list[str]:
+        """Remove this node's folders of earlier runs of the same name (another run id: superseded or started
+        anew); nothing can resume from them. Returns what was removed."""
+        parent = os.path.dirname(os.path.dirname(self.path))  # <root>/<storage key>/
+        mine = os.path.basename(os.path.dirname(self.path))
+        removed = []
+        for name in sorted(os.listdir(parent)) if os.path.isdir(parent) else []:
+            run_id = name[len(self.run) + 1:]
+            if name != mine and name.startswith(f"{self.run}-") and len(run_id) == 12 and \
+                    all(c in "0123456789abcdef" for c in run_id):
+                node_dir = os.path.join(parent, name, f"node-{self.node:03d}")
+                if os.path.isdir(node_dir):
+                    shutil.rmtree(node_dir, ignore_errors=True)
+                    removed.append(node_dir)
+                if os.path.isdir(os.path.join(parent, name)) and not os.listdir(os.path.join(parent, name)):
+                    os.rmdir(os.path.join(parent, name))
+        return removed
 
     # -- the global model this node holds -------------------------------------------------------------
     def base(self) -> Optional[tuple[int, str]]:

@@ -1,6 +1,7 @@
 """Resume through the served deployment, as the README tells users to: a real `prefect server start`,
-`python -m pipelines.serve` (deployment 'spes-training/spes'), `python -m pipelines.node_flow` (deployment
-'spes-node/spes-node', the GPU-machine executor) and `prefect deployment run ... --param resume_round=...`."""
+`python -m pipelines.serve` (deployment 'spes-training/spes'), `python -m pipelines.node_flow --nodes 0,1`
+(deployments 'spes-node/spes-node-0' and '-1', the GPU-machine executor) and `prefect deployment run ...
+--param resume_round=...`."""
 import glob
 import json
 import os
@@ -73,8 +74,8 @@ def served(tmp_path_factory, tiny_tokens):
         start("server", "prefect", "server", "start", "--host", host, "--port", port, "--no-ui")
         _wait_for("prefect server", lambda: _api(api, "/health") is True, 180, procs)
         start("serve", "pipelines.serve", "--params", str(root / "params.yaml"))
-        start("node", "pipelines.node_flow", SPES_FAULT_PLAN=json.dumps(STRAGGLER))
-        for name in ("spes-training/spes", "spes-node/spes-node"):
+        start("node", "pipelines.node_flow", "--nodes", "0,1", SPES_FAULT_PLAN=json.dumps(STRAGGLER))
+        for name in ("spes-training/spes", "spes-node/spes-node-0", "spes-node/spes-node-1"):
             _wait_for(f"deployment {name}", lambda: _api(api, f"/deployments/name/{name}")["id"], 120, procs)
         yield root, env, api
     finally:

@@ -1,0 +1,127 @@
+"""A GPU machine's node host: the warm node processes of the nodes this machine runs, and the local door the
+`spes-node` flow runs of this machine use to reach them.
+
+`python -m pipelines.node_flow --nodes 0,1` starts one (then serves the nodes' deployments). A flow run,
+which the Prefect runner starts as a fresh process for every round, does not train: it hands the node's
+request to the host through a Unix socket (`SPES_NODE_HOST`, inherited from the serving process), relays
+the node's log lines and returns its report. The host runs the round on the node's long-lived
+`pipelines.node_worker` process (torch imported once, not once per round), one round per node at a time.
+When the flow run goes away (cancelled by the orchestrator, killed), its connection closes and the host
+kills the node's round: a straggler does not keep its GPU busy into the next round.
+
+Wire format, one JSON object per line: the client sends a NodeRequest; the host answers `LOG <text>` lines,
+then `RESULT {"ok": true, "meta": ...}` or `RESULT {"ok": false, "error": ..., "retryable": ...}`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import tempfile
+import threading
+from typing import Callable, Iterable, Optional
+
+from pipelines.node_pool import NodePool
+from pipelines.request import NodeRequest
+from spes.errors import NodeFailed, retryable
+
+HOST_ENV = "SPES_NODE_HOST"
+RESULT, LOG = "RESULT ", "LOG "
+
+
+def _closed(conn: socket.socket) -> bool:
+    """Whether the peer closed the connection (readable with nothing to read)."""
+    try:
+        ready, _, _ = select.select([conn], [], [], 0)
+        return bool(ready) and conn.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
+class NodeHost:
+    """Serves node requests for `nodes` (None: any node) on a Unix socket, each on that node's warm process."""
+
+    def __init__(self, nodes: Optional[Iterable[int]] = None):
+        self.nodes = None if nodes is None else set(nodes)
+        self.pool = NodePool()
+        self._locks: dict[int, threading.Lock] = {}
+        self._lock = threading.Lock()
+        self.path = os.path.join(tempfile.mkdtemp(prefix="spes-node-host-"), "host.sock")
+        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._server.bind(self.path)
+        self._server.listen(16)
+        threading.Thread(target=self._accept, name="spes-node-host", daemon=True).start()
+
+    def start_workers(self) -> None:
+        """Start the node processes now, so the first round does not wait for their interpreter and torch."""
+        if self.nodes:
+            self.pool.start(sorted(self.nodes))
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _node_lock(self, node: int) -> threading.Lock:
+        with self._lock:
+            return self._locks.setdefault(node, threading.Lock())
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("r", encoding="utf-8") as rf:
+            def send(line: str) -> None:
+                conn.sendall((line + "\n").encode())
+
+            try:
+                req = NodeRequest.from_json(json.loads(rf.readline()))
+                if self.nodes is not None and req.node not in self.nodes:
+                    raise NodeFailed(f"node {req.node} is not served by this host (it serves {sorted(self.nodes)})",
+                                     retryable=False)
+                with self._node_lock(req.node):
+                    status, report = self.pool.get(req.node).run_round(
+                        req, float("inf"), lambda line: send(LOG + line), cancelled=lambda: _closed(conn))
+                if status != "ok":
+                    return  # the client is gone: nobody to answer
+                out = {"ok": True, "meta": report.to_json()}
+            except Exception as e:
+                out = {"ok": False, "error": f"{type(e).__name__}: {e}", "retryable": retryable(e)}
+            try:
+                send(RESULT + json.dumps(out))
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._server.close()
+        self.pool.close()
+        try:
+            os.unlink(self.path)
+            os.rmdir(os.path.dirname(self.path))
+        except OSError:
+            pass
+
+
+def host_round(path: str, req: NodeRequest, log: Callable[[str], None]):
+    """The node's round through the host at `path`; its NodeReport. Raises NodeFailed as the host reports it."""
+    from spes.run.records import NodeReport
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        try:
+            conn.connect(path)
+        except OSError as e:
+            raise NodeFailed(f"node {req.node}: no node host at {path} ({e})") from None
+        conn.sendall((json.dumps(req.to_json()) + "\n").encode())
+        with conn.makefile("r", encoding="utf-8") as rf:
+            for line in rf:
+                line = line.rstrip("\n")
+                if line.startswith(LOG):
+                    log(line[len(LOG):])
+                elif line.startswith(RESULT):
+                    out = json.loads(line[len(RESULT):])
+                    if not out["ok"]:
+                        raise NodeFailed(f"node {req.node} round {req.round}: {out['error']}",
+                                         retryable=out.get("retryable", True))
+                    return NodeReport.from_json(out["meta"], f"node host {path}")
+    raise NodeFailed(f"node {req.node} round {req.round}: the node host closed the connection without a result")

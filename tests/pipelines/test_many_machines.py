@@ -1,0 +1,192 @@
+"""Two node machines on one: separate HOME, cache and working folders, sharing only an S3 server (moto) and a
+Prefect server, each running what the README says a GPU machine runs (`python -m pipelines.node_flow --nodes
+<its nodes>`), the orchestrator on a third folder with `orchestration.executor: deployment`.
+
+The run's rounds keep node state local (no checkpoint before the end), so every node must run where its
+state is. Machine B is killed in the middle of a round and started again: the orchestrator notices within
+the heartbeat bound, retries the node on its machine when it is back, and the run ends bitwise equal to one
+made with the process executor on a single machine."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from spes.config.loader import load_params
+from spes.run.run import Run
+from spes.storage.store import Store
+from tests.pipelines.test_deployment import _api, _free_port, _wait_for
+from tests.pipelines.tiny_project import PARAMS, assert_same, init_run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROUNDS, KILL_ROUND = 4, 2
+CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def _params(root, endpoint: str, executor: str, bucket_prefix: str) -> str:
+    p = json.loads(json.dumps(PARAMS))
+    p["spes"].update(rounds=ROUNDS, warmup_rounds=1)
+    p.update(artifacts_dir=str(root / "artifacts"),
+             storage={"url": f"s3://spes-many/{bucket_prefix}", "options": {"endpoint_url": endpoint}, "keep_rounds": 2},
+             checkpoint={"every_rounds": 100})  # node state stays on the node's machine until the end
+    p["orchestration"] = dict(PARAMS["orchestration"], executor=executor, threads_per_node=1, heartbeat_timeout_s=6,
+                              node_retries=4, round_timeout_s=240)
+    f = root / f"params-{executor}.yaml"
+    f.write_text(yaml.safe_dump(p))
+    return str(f)
+
+
+def _orchestrate(pfile: str, run: str, env: dict, cwd) -> tuple[subprocess.Popen, object]:
+    """The training flow in its own process (against the shared Prefect server); its output goes to a file."""
+    code = ("import sys; from pipelines.training import spes_training; "
+            "spes_training(params_path=sys.argv[1], stage='all', run_name=sys.argv[2])")
+    log = cwd / f"{run}.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-c", code, pfile, run], cwd=cwd, env=env, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, log
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_tokens):
+    """A moto S3 server, a Prefect server, and the environment of each 'machine'."""
+    from moto.server import ThreadedMotoServer
+
+    root = tmp_path_factory.mktemp("many")
+    s3 = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    s3.start()
+    host, port = s3.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    import s3fs
+
+    s3fs.S3FileSystem(endpoint_url=endpoint, key="testing", secret="testing").mkdir("spes-many")
+    api = f"http://127.0.0.1:{_free_port()}/api"
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "AWS_", "SPES_"))}
+    base.update(CREDS, PYTHONPATH=ROOT, PREFECT_API_URL=api, PREFECT_SERVER_ANALYTICS_ENABLED="false",
+                PREFECT_UI_ENABLED="false")
+    procs = []
+    server_env = dict(base, PREFECT_HOME=str(root / "server-home"))
+    log = open(root / "server.log", "w")
+    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
+                               api.split(":")[2].split("/")[0], "--no-ui"], env=server_env, stdout=log,
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    procs.append(server)
+    try:
+        _wait_for("prefect server", lambda: _api(api, "/health") is True, 180, procs)
+        # the orchestrator's folder: the token shards (it publishes them to S3) and its params; nodes have nothing
+        orch = root / "orchestrator"
+        (orch / "artifacts").mkdir(parents=True)
+        os.symlink(tiny_tokens, orch / "artifacts" / "tokens")
+
+        def machine_env(name: str) -> dict:
+            home = root / name
+            home.mkdir(exist_ok=True)
+            return dict(base, HOME=str(home), PREFECT_HOME=str(home / ".prefect"))
+
+        yield {"root": root, "endpoint": endpoint, "api": api, "orch": orch, "env": machine_env}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+        log.close()
+        s3.stop()
+
+
+class Machine:
+    """A node machine: `python -m pipelines.node_flow --nodes ...` in its own folder and process group."""
+
+    def __init__(self, cluster, name: str, nodes: str, **env):
+        self.cluster, self.name, self.nodes, self.extra = cluster, name, nodes, env
+        self.home = cluster["root"] / name
+        self.proc = None
+
+    def start(self, **env) -> "Machine":
+        log = open(self.cluster["root"] / f"{self.name}.log", "a")
+        self.proc = subprocess.Popen([sys.executable, "-m", "pipelines.node_flow", "--nodes", self.nodes],
+                                     cwd=self.cluster["env"](self.name)["HOME"],
+                                     env=dict(self.cluster["env"](self.name), **env), stdout=log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def _ready(api: str, names) -> bool:
+    for name in names:
+        d = _api(api, f"/deployments/name/{name}")
+        if d.get("status") != "READY":
+            return False
+    return True
+
+
+@pytest.mark.s3
+@pytest.mark.slow
+def test_two_machines_with_one_killed_and_restarted_end_bitwise_equal(cluster, monkeypatch):
+    root, orch, api = cluster["root"], cluster["orch"], cluster["api"]
+    for k, v in CREDS.items():
+        monkeypatch.setenv(k, v)
+    # the reference: the process executor on one machine
+    ref_file = _params(orch, cluster["endpoint"], "process", "ref")
+    ref_env = cluster["env"]("orchestrator")
+    init_run(ref_file, "ref")
+    ref, ref_log = _orchestrate(ref_file, "ref", ref_env, orch)
+    assert ref.wait(timeout=400) == 0, ref_log.read_text()[-4000:]
+
+    pfile = _params(orch, cluster["endpoint"], "deployment", "many")
+    init_run(pfile, "many")
+    slow = {"slow": {"run": "many", "round": KILL_ROUND, "node": 1, "seconds": 120}}
+    a = Machine(cluster, "machine-a", "0").start()
+    b = Machine(cluster, "machine-b", "1").start(SPES_FAULT_PLAN=json.dumps(slow))
+    try:
+        _wait_for("node deployments", lambda: _ready(api, ["spes-node/spes-node-0", "spes-node/spes-node-1"]), 120,
+                  [a.proc, b.proc])
+        flow, flow_log = _orchestrate(pfile, "many", ref_env, orch)
+        store = Store.from_config(load_params(pfile).storage)
+        beat = "runs/many/heartbeats/001.json"
+
+        def b_in_kill_round() -> bool:
+            return store.exists(beat) and json.loads(store.read_bytes(beat))["round"] == KILL_ROUND
+
+        _wait_for("node 1 in the kill round", b_in_kill_round, 240, [flow])
+        time.sleep(2)  # inside the slow step
+        b.kill()
+        killed_at = time.time()
+        time.sleep(3)
+        b.start()  # the same machine back: its HOME (node 1's local state) intact, the fault gone
+        rc = flow.wait(timeout=400)
+        out = flow_log.read_text()
+        assert rc == 0, out[-6000:] + (root / "machine-b.log").read_text()[-4000:]
+    finally:
+        a.stop()
+        b.stop()
+    run = Run(store, "many")
+    assert run.committed_rounds()[-1] == ROUNDS
+    assert_same(run.load_model(ROUNDS)[0].canonical_state_dict(),
+                Run(Store.from_config(load_params(ref_file).storage), "ref").load_model(ROUNDS)[0].canonical_state_dict())
+    assert "lost: no heartbeat" in out  # noticed through the heartbeat, not the round timeout
+    rec = run.records(KILL_ROUND, KILL_ROUND)[0]
+    assert [n.status for n in rec.nodes] == ["ok", "ok"]
+    assert rec.wall_s < 240 and time.time() - killed_at < 240
+    # each machine holds only its own node's state; neither has a checkout's artifacts
+    for name, node in (("machine-a", 0), ("machine-b", 1)):
+        state = list((root / name / ".cache" / "spes" / "state").glob("*/*/node-*"))
+        assert [s.name for s in state] == [f"node-{node:03d}"], state
+        assert not (root / name / "artifacts").exists()
