@@ -19,13 +19,13 @@ def main() -> None:
 
     a, p = parse(__doc__, stages=("warmup", "train"))
     stage = a.stage
-    init = os.path.join(p.artifacts_dir, "init", "model.safetensors")
-    if not os.path.exists(init):  # say so at once, not after the Prefect server and the nodes started
-        raise SystemExit(f"rounds: {init} does not exist: run the earlier stages first (dvc repro upcycle)")
     if p.orchestration.executor == "deployment" and not os.environ.get("PREFECT_API_URL"):
         raise SystemExit("rounds: orchestration.executor is deployment, but PREFECT_API_URL is not set: node machines "
                          "need a Prefect server they can reach (prefect server start --host 0.0.0.0; export "
                          "PREFECT_API_URL=http://<this machine>:4200/api here and on every node machine)")
+    init = os.path.join(p.artifacts_dir, "init", "model.safetensors")
+    if not os.path.exists(init):  # say so at once, not after the Prefect server and the nodes started
+        raise SystemExit(f"rounds: {init} does not exist: run the earlier stages first (dvc repro upcycle)")
     prefect_env_defaults()
     from pipelines.node_pool import POOL
     from pipelines.prefect_api import prefect_api

@@ -168,3 +168,37 @@ def test_a_deterministic_node_error_is_not_retried_and_names_its_cause(project):
     assert last.startswith("rounds: QuorumError: round 1: only nodes [] committed") and "NonFiniteLoss" in last, last
     out = res.stdout + res.stderr
     assert "Retry 1/" not in out and out.count("failed round 1") == 2  # each node once, no retries
+
+
+def test_sigterm_stops_the_stage_within_seconds_releasing_the_lease(project, reference):
+    """SIGTERM while a node is in the middle of a round: the stage ends within seconds (not at the round
+    timeout), its node processes and Prefect server with it, the run's lease is marked released, and the
+    same command resumes the run to the uninterrupted result."""
+    import signal
+
+    plan = json.dumps({"slow": {"run": "termed", "round": 1, "node": 1, "seconds": 300}})
+    proc = stage(project, "stages.rounds", "warmup", "orchestration.run_name=termed", env_extra={"SPES_FAULT_PLAN": plan},
+                 wait=False)
+    store = Store(str(project / "storage"))
+    layout = Run(store, "termed").layout
+    deadline = time.time() + 300
+    while not store.is_committed(layout.node_dir(1, 0)):  # node 0 is done, node 1 is in its slow step
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.5)
+    time.sleep(1)
+    helpers = _descendants(proc.pid)
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert time.time() - t0 < 30 and proc.returncode == 130, out[-3000:]
+    assert "stopped by SIGTERM" in out and "resume with the same command" in out
+    deadline = time.time() + 20
+    while any(_alive(h) for h in helpers) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not [h for h in helpers if _alive(h)], "processes outlived the stopped stage"
+    leases = sorted(store.list_names(layout.lease_dir))
+    assert json.loads(store.read_bytes(f"{layout.lease_dir}/{leases[-1]}"))["released"] is True
+    assert not store.is_committed(layout.global_dir(1))
+    res = stage(project, "stages.rounds", "warmup", "orchestration.run_name=termed")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert global_sha(project, "termed", 2) == reference

@@ -167,3 +167,23 @@ def test_straggler_node_deployment_is_cancelled_and_left_out(served):
         time.sleep(2)
     assert states.get("dep-slow-node-1-round-1") == "CANCELLED", states
     assert not store.is_committed("runs/dep-slow/rounds/000001/nodes/001")  # it never finished its round
+
+
+def test_deployment_executor_names_missing_node_deployments_up_front(served):
+    root = served[0]
+    init_run(str(root / "params.yaml"), "dep-missing")
+    overrides = ["orchestration.executor=deployment", "orchestration.node_deployment=spes-node/gone-{node}"]
+    res = deployment_run(served, "run_name=dep-missing", f"overrides={json.dumps(overrides)}")
+    assert res.returncode == 1
+    log = (root / "serve.log").read_text()
+    assert "no deployment spes-node/gone-0, spes-node/gone-1" in log and "python -m pipelines.node_flow --nodes" in log
+    store = Store(load_params(str(root / "params.yaml")).storage.url)
+    assert Run(store, "dep-missing").committed_rounds() == [0]  # refused before any round
+
+
+def test_deployment_executor_without_an_api_url_is_refused_at_once(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env["PYTHONPATH"] = ROOT
+    res = subprocess.run([sys.executable, "-m", "stages.rounds", "train", "orchestration.executor=deployment"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and "PREFECT_API_URL is not set" in res.stderr and len(res.stderr.strip().splitlines()) == 1

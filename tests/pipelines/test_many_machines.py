@@ -27,15 +27,15 @@ ROUNDS, KILL_ROUND = 4, 2
 CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
-def _params(root, endpoint: str, executor: str, bucket_prefix: str) -> str:
+def _params(root, endpoint: str, executor: str, bucket_prefix: str, **orchestration) -> str:
     p = json.loads(json.dumps(PARAMS))
     p["spes"].update(rounds=ROUNDS, warmup_rounds=1)
     p.update(artifacts_dir=str(root / "artifacts"),
              storage={"url": f"s3://spes-many/{bucket_prefix}", "options": {"endpoint_url": endpoint}, "keep_rounds": 2},
              checkpoint={"every_rounds": 100})  # node state stays on the node's machine until the end
     p["orchestration"] = dict(PARAMS["orchestration"], executor=executor, threads_per_node=1, heartbeat_timeout_s=6,
-                              node_retries=4, round_timeout_s=240)
-    f = root / f"params-{executor}.yaml"
+                              node_retries=4, round_timeout_s=240, **orchestration)
+    f = root / f"params-{executor}-{bucket_prefix}.yaml"
     f.write_text(yaml.safe_dump(p))
     return str(f)
 
@@ -116,6 +116,13 @@ class Machine:
                                      stderr=subprocess.STDOUT, start_new_session=True)
         return self
 
+    def start_spare(self) -> "Machine":
+        log = open(self.cluster["root"] / f"{self.name}.log", "a")
+        env = self.cluster["env"](self.name)
+        self.proc = subprocess.Popen([sys.executable, "-m", "pipelines.node_flow", "--spare"], cwd=env["HOME"], env=env,
+                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
     def kill(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
@@ -137,19 +144,28 @@ def _ready(api: str, names) -> bool:
     return True
 
 
+@pytest.fixture(scope="module")
+def reference(cluster):
+    """The same run made with the process executor on one machine: final global weights."""
+    orch = cluster["orch"]
+    ref_file = _params(orch, cluster["endpoint"], "process", "ref")
+    env = cluster["env"]("orchestrator")
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in CREDS.items():
+            mp.setenv(k, v)
+        init_run(ref_file, "ref")
+        ref, ref_log = _orchestrate(ref_file, "ref", env, orch)
+        assert ref.wait(timeout=400) == 0, ref_log.read_text()[-4000:]
+        return Run(Store.from_config(load_params(ref_file).storage), "ref").load_model(ROUNDS)[0].canonical_state_dict()
+
+
 @pytest.mark.s3
 @pytest.mark.slow
-def test_two_machines_with_one_killed_and_restarted_end_bitwise_equal(cluster, monkeypatch):
+def test_two_machines_with_one_killed_and_restarted_end_bitwise_equal(cluster, reference, monkeypatch):
     root, orch, api = cluster["root"], cluster["orch"], cluster["api"]
     for k, v in CREDS.items():
         monkeypatch.setenv(k, v)
-    # the reference: the process executor on one machine
-    ref_file = _params(orch, cluster["endpoint"], "process", "ref")
     ref_env = cluster["env"]("orchestrator")
-    init_run(ref_file, "ref")
-    ref, ref_log = _orchestrate(ref_file, "ref", ref_env, orch)
-    assert ref.wait(timeout=400) == 0, ref_log.read_text()[-4000:]
-
     pfile = _params(orch, cluster["endpoint"], "deployment", "many")
     init_run(pfile, "many")
     slow = {"slow": {"run": "many", "round": KILL_ROUND, "node": 1, "seconds": 120}}
@@ -179,8 +195,7 @@ def test_two_machines_with_one_killed_and_restarted_end_bitwise_equal(cluster, m
         b.stop()
     run = Run(store, "many")
     assert run.committed_rounds()[-1] == ROUNDS
-    assert_same(run.load_model(ROUNDS)[0].canonical_state_dict(),
-                Run(Store.from_config(load_params(ref_file).storage), "ref").load_model(ROUNDS)[0].canonical_state_dict())
+    assert_same(run.load_model(ROUNDS)[0].canonical_state_dict(), reference)
     assert "lost: no heartbeat" in out  # noticed through the heartbeat, not the round timeout
     rec = run.records(KILL_ROUND, KILL_ROUND)[0]
     assert [n.status for n in rec.nodes] == ["ok", "ok"]
@@ -190,3 +205,43 @@ def test_two_machines_with_one_killed_and_restarted_end_bitwise_equal(cluster, m
         state = list((root / name / ".cache" / "spes" / "state").glob("*/*/node-*"))
         assert [s.name for s in state] == [f"node-{node:03d}"], state
         assert not (root / name / "artifacts").exists()
+
+
+@pytest.mark.s3
+@pytest.mark.slow
+def test_a_node_whose_machine_stays_dead_moves_to_a_spare_when_its_state_is_on_storage(cluster, reference, monkeypatch):
+    """Checkpoints every round (node state on the bucket): machine B dies in round 2 for good; node 1 is
+    retried on the spare machine from its checkpoint, in this round and each later one, bitwise equal."""
+    orch, api = cluster["orch"], cluster["api"]
+    for k, v in CREDS.items():
+        monkeypatch.setenv(k, v)
+    pfile = _params(orch, cluster["endpoint"], "deployment", "spare", spare_deployment="spes-node/spes-node-spare")
+    p = yaml.safe_load(open(pfile))
+    p["checkpoint"] = {"every_rounds": 1}
+    open(pfile, "w").write(yaml.safe_dump(p))
+    init_run(pfile, "spare")
+    slow = {"slow": {"run": "spare", "round": KILL_ROUND, "node": 1, "seconds": 120}}
+    a = Machine(cluster, "spare-a", "0").start()
+    b = Machine(cluster, "spare-b", "1").start(SPES_FAULT_PLAN=json.dumps(slow))
+    c = Machine(cluster, "spare-c", "").start_spare()
+    try:
+        _wait_for("node deployments", lambda: _ready(api, ["spes-node/spes-node-0", "spes-node/spes-node-1",
+                                                            "spes-node/spes-node-spare"]), 120, [a.proc, b.proc, c.proc])
+        flow, flow_log = _orchestrate(pfile, "spare", cluster["env"]("orchestrator"), orch)
+        store = Store.from_config(load_params(pfile).storage)
+        beat = "runs/spare/heartbeats/001.json"
+        _wait_for("node 1 in the kill round", lambda: store.exists(beat) and
+                  json.loads(store.read_bytes(beat))["round"] == KILL_ROUND, 240, [flow])
+        time.sleep(2)
+        b.kill()  # for good
+        rc = flow.wait(timeout=400)
+        out = flow_log.read_text()
+        assert rc == 0, out[-6000:]
+    finally:
+        for m in (a, b, c):
+            m.stop()
+    run = Run(store, "spare")
+    assert_same(run.load_model(ROUNDS)[0].canonical_state_dict(), reference)
+    assert f"node 1 round {KILL_ROUND}: its machine was lost; retrying it on spes-node/spes-node-spare (its state " \
+           f"from the checkpoint of round {KILL_ROUND - 1})" in out
+    assert all(n.status == "ok" for rec in run.records(1, ROUNDS) for n in rec.nodes)

@@ -1,5 +1,6 @@
 """A node's local state: found by digest, foreign or damaged states refused, checkpoint as fallback."""
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -56,3 +57,18 @@ def test_discard_and_prune(tmp_path):
     assert d.base() is None
     sha = d.save_base(4, {"w": torch.arange(3.0)})
     assert d.base() == (4, sha) and d.load_base()["w"].tolist() == [0.0, 1.0, 2.0]
+
+
+def test_a_superseded_runs_state_is_removed_and_nothing_else(tmp_path):
+    from spes.run.node_state import NodeStateDir
+
+    old = NodeStateDir(str(tmp_path), "url", "r", "a" * 32, 0)
+    other_node = NodeStateDir(str(tmp_path), "url", "r", "a" * 32, 1)
+    other_run = NodeStateDir(str(tmp_path), "url", "r2", "b" * 32, 0)
+    for d in (old, other_node, other_run):
+        d.save_base(1, {"w": torch.zeros(2)})
+    new = NodeStateDir(str(tmp_path), "url", "r", "c" * 32, 0)
+    new.save_base(1, {"w": torch.zeros(2)})
+    assert new.remove_superseded() == [old.path]
+    assert not os.path.exists(old.path) and os.path.exists(other_node.path)  # node 1 is another machine's business
+    assert os.path.exists(other_run.path) and new.base() is not None

@@ -1,0 +1,145 @@
+"""The deployment executor's cost per round against the process executor's, side by side in one run.
+
+Starts a Prefect server and a node machine (`python -m pipelines.node_flow --nodes 0,1`, its own HOME) on
+loopback, then runs the same tiny run twice, once per executor, and compares the rounds' wall times from
+their records on storage (the first round of each excluded: it pays the processes' start). Goal: deployment
+wall per round <= 2x the process executor's.
+
+    python bench/deployment_overhead.py [--rounds 6] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+PARAMS = {
+    "model": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 64, "num_layers": 2, "num_heads": 4,
+              "num_kv_heads": 4, "num_experts": 4, "top_k": 2, "max_seq_len": 64},
+    "spes": {"num_nodes": 2, "sync_steps": 10, "warmup_rounds": 1, "batch_size": 4, "seq_len": 64},
+    "orchestration": {"threads_per_node": 1, "round_timeout_s": 300},
+    "checkpoint": {"every_rounds": 100},
+    "dense": {"seq_len": 64}, "eval": {"seq_len": 64, "batches": 2, "batch_size": 2, "every_rounds": 0},
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str):
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.loads(r.read())
+
+
+def _wait(what: str, check, timeout_s: float) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            if check():
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"deployment_overhead: {what} not ready after {timeout_s:.0f} s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    import torch
+    import yaml
+
+    from spes.config.loader import load_params
+    from spes.data.tokenization import tokenize_corpus
+    from spes.model.transformer import CausalLM
+    from spes.run.identity import InitModel, settings_fingerprint
+    from spes.run.run import Run
+    from spes.storage.store import Store
+
+    tmp = tempfile.mkdtemp(prefix="spes-overhead-")
+    docs = [open(f, encoding="utf-8").read()
+            for f in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")))]
+    tokenize_corpus(docs, os.path.join(tmp, "artifacts", "tokens"), 512, None, 0.2, 0)
+    p = json.loads(json.dumps(PARAMS))
+    p["spes"]["rounds"] = a.rounds
+    p.update(artifacts_dir=os.path.join(tmp, "artifacts"), storage={"url": os.path.join(tmp, "storage")})
+    pfile = os.path.join(tmp, "params.yaml")
+    with open(pfile, "w") as f:
+        yaml.safe_dump(p, f)
+    params = load_params(pfile)
+    store = Store.from_config(params.storage)
+    for run in ("process", "deployment"):
+        torch.manual_seed(0)
+        Run(store, run).ensure(settings_fingerprint(params),
+                               InitModel.from_state(CausalLM(params.model).canonical_state_dict(), params.model, "bench"))
+
+    api = f"http://127.0.0.1:{_free_port()}/api"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PYTHONPATH=ROOT, PREFECT_API_URL=api, PREFECT_HOME=os.path.join(tmp, "prefect"),
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="false")
+    port = api.split(":")[2].split("/")[0]
+    procs = [subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
+                               port, "--no-ui"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)]
+    try:
+        _wait("the Prefect server", lambda: _get(api + "/health") is True, 180)
+        node_home = os.path.join(tmp, "node-machine")
+        os.makedirs(node_home)
+        procs.append(subprocess.Popen([sys.executable, "-m", "pipelines.node_flow", "--nodes", "0,1"], cwd=node_home,
+                                      env=dict(env, HOME=node_home), stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL, start_new_session=True))
+        _wait("the node deployments", lambda: all(
+            _get(f"{api}/deployments/name/spes-node/spes-node-{i}").get("status") == "READY" for i in (0, 1)), 120)
+        walls = {}
+        for executor in ("process", "deployment"):
+            code = ("import sys; from pipelines.training import spes_training; spes_training(params_path=sys.argv[1], "
+                    "stage='all', run_name=sys.argv[2], overrides=[f'orchestration.executor={sys.argv[2]}'])")
+            t = time.time()
+            out = subprocess.run([sys.executable, "-c", code, pfile, executor], env=env, capture_output=True, text=True)
+            if out.returncode:
+                raise SystemExit(f"deployment_overhead: the {executor} run failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
+            recs = Run(store, executor).records(2, a.rounds)
+            walls[executor] = {"round_wall_s": [rec.wall_s for rec in recs], "flow_s": time.time() - t,
+                               "max_node_compute_s": [rec.max_node_compute_s for rec in recs]}
+    finally:
+        for proc in reversed(procs):
+            try:
+                os.killpg(proc.pid, 15)
+                proc.wait(timeout=15)
+            except (OSError, subprocess.TimeoutExpired):
+                os.killpg(proc.pid, 9)
+
+    def mean(xs):
+        return sum(xs) / len(xs)
+
+    proc_w, dep_w = mean(walls["process"]["round_wall_s"]), mean(walls["deployment"]["round_wall_s"])
+    compute = mean(walls["process"]["max_node_compute_s"])
+    print(f"rounds 2..{a.rounds}, {PARAMS['spes']['sync_steps']} steps each, 2 nodes on this machine")
+    print(f"process executor    {proc_w:6.2f} s per round (node compute {compute:.2f} s)")
+    print(f"deployment executor {dep_w:6.2f} s per round (node compute "
+          f"{mean(walls['deployment']['max_node_compute_s']):.2f} s)")
+    print(f"deployment / process = {dep_w / proc_w:.2f}x (goal <= 2x); overhead beyond the process executor "
+          f"{dep_w - proc_w:.2f} s per round")
+    if a.json:
+        print(json.dumps({"process_round_s": proc_w, "deployment_round_s": dep_w, "ratio": dep_w / proc_w,
+                          "walls": walls}))
+
+
+if __name__ == "__main__":
+    main()
