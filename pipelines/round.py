@@ -68,6 +68,8 @@ _IN_FLIGHT_LOCK = threading.Lock()
 
 _LOST: set = set()
 """(run, round, node) whose machine was lost in that round (this process)."""
+_MOVED: set = set()
+"""(run, node) that now runs on the spare deployment (this process)."""
 
 
 class NodeLost(NodeFailed):
@@ -249,9 +251,10 @@ def node_task(p: Params, run: str, r: int, node: int, deadline: float, checkpoin
         return NodeReport(node, "timeout")
     if p.orchestration.executor == "deployment":
         target = None
-        if (run, r, node) in _LOST:  # its machine was lost this round: elsewhere, if its state allows
+        # its machine was lost (this round, or it moved earlier): elsewhere, if its state allows
+        if (run, r, node) in _LOST or (run, node) in _MOVED:
             target = _spare_allows(p, run, r, node)
-            if target:
+            if target and (run, r, node) in _LOST:
                 ref = Run(Store.from_config(p.storage), run).global_meta(r - 1).node_states.get(node)
                 get_run_logger().warning("node %d round %d: its machine was lost; retrying it on %s (its state %s)",
                                          node, r, target, f"from the checkpoint of round {ref.round}" if ref else
@@ -260,7 +263,10 @@ def node_task(p: Params, run: str, r: int, node: int, deadline: float, checkpoin
             status, report = _run_node_deployment(p, run, r, node, remaining, checkpoint, tokens_key, target)
         except NodeLost:
             _LOST.add((run, r, node))
+            _MOVED.discard((run, node))  # a lost spare: its own machine first again
             raise
+        if target is not None:
+            _MOVED.add((run, node))  # later rounds go to the spare directly while its state allows
     else:
         status, report = _run_node_process(p, run, r, node, remaining, checkpoint)
     if status != "ok":

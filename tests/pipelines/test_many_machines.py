@@ -245,3 +245,4 @@ def test_a_node_whose_machine_stays_dead_moves_to_a_spare_when_its_state_is_on_s
     assert f"node 1 round {KILL_ROUND}: its machine was lost; retrying it on spes-node/spes-node-spare (its state " \
            f"from the checkpoint of round {KILL_ROUND - 1})" in out
     assert all(n.status == "ok" for rec in run.records(1, ROUNDS) for n in rec.nodes)
+    assert out.count("lost: no heartbeat") == 1  # later rounds went to the spare directly
