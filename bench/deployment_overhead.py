@@ -1,7 +1,7 @@
 """The deployment executor's cost per round against the process executor's, side by side in one run.
 
 Starts a Prefect server and a node machine (`python -m pipelines.node_flow --nodes 0,1`, its own HOME) on
-loopback, then runs the same tiny run twice, once per executor, and compares the rounds' wall times from
+loopback, then runs the same run (the embedded default's model and round size) twice, once per executor, and compares the rounds' wall times from
 their records on storage (the first round of each excluded: it pays the processes' start). Goal: deployment
 wall per round <= 2x the process executor's.
 
@@ -24,13 +24,13 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-PARAMS = {
-    "model": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 64, "num_layers": 2, "num_heads": 4,
-              "num_kv_heads": 4, "num_experts": 4, "top_k": 2, "max_seq_len": 64},
-    "spes": {"num_nodes": 2, "sync_steps": 10, "warmup_rounds": 1, "batch_size": 4, "seq_len": 64},
-    "orchestration": {"threads_per_node": 1, "round_timeout_s": 300},
+PARAMS = {  # params.yaml's embedded default model and round (50 steps of 8 x 128 tokens), a 512-token vocabulary
+    "model": {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_layers": 2, "num_heads": 4,
+              "num_kv_heads": 4, "num_experts": 8, "top_k": 2, "max_seq_len": 256},
+    "spes": {"num_nodes": 2, "sync_steps": 50, "warmup_rounds": 1, "batch_size": 8, "seq_len": 128},
+    "orchestration": {"round_timeout_s": 300},
     "checkpoint": {"every_rounds": 100},
-    "dense": {"seq_len": 64}, "eval": {"seq_len": 64, "batches": 2, "batch_size": 2, "every_rounds": 0},
+    "dense": {"seq_len": 128}, "eval": {"seq_len": 128, "batches": 2, "batch_size": 2, "every_rounds": 0},
 }
 
 
@@ -117,6 +117,20 @@ def main() -> None:
             recs = Run(store, executor).records(2, a.rounds)
             walls[executor] = {"round_wall_s": [rec.wall_s for rec in recs], "flow_s": time.time() - t,
                                "max_node_compute_s": [rec.max_node_compute_s for rec in recs]}
+        # where a deployment round's time goes: each node flow run's creation, start and end
+        runs = json.loads(urllib.request.urlopen(urllib.request.Request(
+            api + "/flow_runs/filter", data=json.dumps({"limit": 200}).encode(),
+            headers={"Content-Type": "application/json"}), timeout=10).read())
+        from datetime import datetime
+
+        def t(x):
+            return datetime.fromisoformat(x.replace("Z", "+00:00")).timestamp() if x else None
+
+        lags = [(t(r["start_time"]) - t(r["created"]), t(r["end_time"]) - t(r["start_time"]))
+                for r in runs if r["name"].startswith("deployment-node-") and r["start_time"] and r["end_time"]]
+        if lags:
+            walls["deployment"]["created_to_start_s"] = sum(x for x, _ in lags) / len(lags)
+            walls["deployment"]["start_to_end_s"] = sum(y for _, y in lags) / len(lags)
     finally:
         for proc in reversed(procs):
             try:
@@ -136,6 +150,9 @@ def main() -> None:
           f"{mean(walls['deployment']['max_node_compute_s']):.2f} s)")
     print(f"deployment / process = {dep_w / proc_w:.2f}x (goal <= 2x); overhead beyond the process executor "
           f"{dep_w - proc_w:.2f} s per round")
+    if "created_to_start_s" in walls["deployment"]:
+        print(f"node flow runs: created -> running {walls['deployment']['created_to_start_s']:.2f} s, running -> "
+              f"finished {walls['deployment']['start_to_end_s']:.2f} s (mean)")
     if a.json:
         print(json.dumps({"process_round_s": proc_w, "deployment_round_s": dep_w, "ratio": dep_w / proc_w,
                           "walls": walls}))

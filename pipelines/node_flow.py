@@ -7,8 +7,8 @@ and set `orchestration.executor: deployment`: node i's round runs as a flow run 
 (orchestration.node_deployment), which only the machine that holds node i serves, so a node always runs
 where its state is. The machine keeps one warm process per node across rounds (pipelines/node_host.py);
 each flow run hands its request to it, writes the node's heartbeat on shared storage while it works
-(spes/run/heartbeat.py) and relays the node's log lines to the Prefect UI. At most `--limit` rounds run at
-once on this machine (default: one per visible GPU, or one per node on a CPU-only machine).
+(spes/run/heartbeat.py) and relays the node's log lines to the Prefect UI. At most `--limit` rounds train at
+once on this machine (default: one per visible GPU, or one per node on a CPU-only machine); others wait.
 
 `--spare` also serves `spes-node/spes-node-spare` (orchestration.spare_deployment): any node whose state
 allows it (on shared storage, or none yet) may be retried there when its own machine is lost.
@@ -101,7 +101,7 @@ def main() -> None:
     ap.add_argument("--name", default="spes-node-{node}",
                     help="deployment name per node; orchestration.node_deployment is 'spes-node/<this>'")
     ap.add_argument("--limit", type=int, default=None, help="rounds at once on this machine (default: one per GPU)")
-    ap.add_argument("--poll-s", type=float, default=1.0, help="seconds between the runner's queries for new runs")
+    ap.add_argument("--poll-s", type=float, default=0.5, help="seconds between the runner's queries for new runs")
     a = ap.parse_args()
     nodes = parse_nodes(a.nodes)
     if not nodes and not a.spare:
@@ -109,16 +109,16 @@ def main() -> None:
     if not os.environ.get("PREFECT_API_URL"):  # else it would serve against a temporary server nobody sees
         raise SystemExit("node_flow: PREFECT_API_URL is not set; point it at the orchestrator's Prefect server, "
                          "e.g. export PREFECT_API_URL=http://<orchestrator>:4200/api")
-    host = NodeHost(None if a.spare else nodes)
+    names = [a.name.replace("{node}", str(i)) for i in nodes] + ([a.name.replace("{node}", SPARE)] if a.spare else [])
+    host = NodeHost(None if a.spare else nodes, a.limit or default_limit(len(names)))
     os.environ[HOST_ENV] = host.path  # the flow runs the runner starts inherit it
     host.start_workers()
-    names = [a.name.replace("{node}", str(i)) for i in nodes] + ([a.name.replace("{node}", SPARE)] if a.spare else [])
     # no deployment concurrency limit: Prefect reschedules a run refused a slot ~30 s later; the host runs
     # one round per node at a time instead (a second request for a node waits for the first)
     deployments = [spes_node.to_deployment(name=n) for n in names]
     try:
-        serve(*deployments, limit=a.limit or default_limit(len(names)), query_seconds=a.poll_s,
-              print_starting_message=True)
+        # flow runs are light (the host trains): room for a finishing run beside each node's next one
+        serve(*deployments, limit=2 * len(names) + 1, query_seconds=a.poll_s, print_starting_message=True)
     finally:
         host.close()
 

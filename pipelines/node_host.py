@@ -5,7 +5,8 @@
 which the Prefect runner starts as a fresh process for every round, does not train: it hands the node's
 request to the host through a Unix socket (`SPES_NODE_HOST`, inherited from the serving process), relays
 the node's log lines and returns its report. The host runs the round on the node's long-lived
-`pipelines.node_worker` process (torch imported once, not once per round), one round per node at a time.
+`pipelines.node_worker` process (torch imported once, not once per round), one round per node at a time
+and at most `limit` rounds at once (one per GPU).
 When the flow run goes away (cancelled by the orchestrator, killed), its connection closes and the host
 kills the node's round: a straggler does not keep its GPU busy into the next round.
 
@@ -14,6 +15,7 @@ then `RESULT {"ok": true, "meta": ...}` or `RESULT {"ok": false, "error": ..., "
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -42,8 +44,10 @@ def _closed(conn: socket.socket) -> bool:
 class NodeHost:
     """Serves node requests for `nodes` (None: any node) on a Unix socket, each on that node's warm process."""
 
-    def __init__(self, nodes: Optional[Iterable[int]] = None):
+    def __init__(self, nodes: Optional[Iterable[int]] = None, limit: Optional[int] = None):
         self.nodes = None if nodes is None else set(nodes)
+        # rounds training at once on this machine (one per GPU): a flow run waiting here costs nothing
+        self._slots = threading.BoundedSemaphore(limit) if limit else None
         self.pool = NodePool()
         self._locks: dict[int, threading.Lock] = {}
         self._lock = threading.Lock()
@@ -80,7 +84,7 @@ class NodeHost:
                 if self.nodes is not None and req.node not in self.nodes:
                     raise NodeFailed(f"node {req.node} is not served by this host (it serves {sorted(self.nodes)})",
                                      retryable=False)
-                with self._node_lock(req.node):
+                with self._node_lock(req.node), (self._slots or contextlib.nullcontext()):
                     status, report = self.pool.get(req.node).run_round(
                         req, float("inf"), lambda line: send(LOG + line), cancelled=lambda: _closed(conn))
                 if status != "ok":
