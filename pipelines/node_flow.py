@@ -103,12 +103,12 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="rounds at once on this machine (default: one per GPU)")
     ap.add_argument("--poll-s", type=float, default=0.5, help="seconds between the runner's queries for new runs")
     a = ap.parse_args()
-    nodes = parse_nodes(a.nodes)
-    if not nodes and not a.spare:
-        raise SystemExit("node_flow: name the nodes this machine holds (--nodes 0,1) and/or --spare")
     if not os.environ.get("PREFECT_API_URL"):  # else it would serve against a temporary server nobody sees
         raise SystemExit("node_flow: PREFECT_API_URL is not set; point it at the orchestrator's Prefect server, "
                          "e.g. export PREFECT_API_URL=http://<orchestrator>:4200/api")
+    nodes = parse_nodes(a.nodes)
+    if not nodes and not a.spare:
+        raise SystemExit("node_flow: name the nodes this machine holds (--nodes 0,1) and/or --spare")
     names = [a.name.replace("{node}", str(i)) for i in nodes] + ([a.name.replace("{node}", SPARE)] if a.spare else [])
     host = NodeHost(None if a.spare else nodes, a.limit or default_limit(len(names)))
     os.environ[HOST_ENV] = host.path  # the flow runs the runner starts inherit it

@@ -57,9 +57,10 @@ def _run_node_process(p: Params, run: str, r: int, node: int, timeout_s: float,
     return status, report
 
 
-POLL_S, COMMIT_POLL_S = 0.25, 0.25
+POLL_S, COMMIT_POLL_S, WAITING_LOG_S = 0.25, 0.25, 10.0
 """How often the orchestrator looks at a node's flow run (a cheap API read) and, while it runs, for its
-committed upload on storage (one small read); heartbeats: every timeout/4."""
+committed upload on storage (one small read); heartbeats: every timeout/4. A node run not started after
+WAITING_LOG_S seconds is logged once as waiting for its runner."""
 
 STOPPING = threading.Event()
 """Set when the orchestrator is told to stop (SIGTERM/SIGINT): waiting node tasks give up at once."""
@@ -114,6 +115,7 @@ def _run_node_deployment(p: Params, run: str, r: int, node: int, timeout_s: floa
             _IN_FLIGHT[fr.id] = f"node {node} round {r}"
         watch, deadline = HeartbeatWatch(store, run, r, node), time.time() + timeout_s
         beat_every, next_beat, next_commit = o.heartbeat_timeout_s / 4, 0.0, 0.0
+        t0, waiting_logged = time.monotonic(), False
         try:
             while True:
                 state = client.read_flow_run(fr.id).state
@@ -134,6 +136,13 @@ def _run_node_deployment(p: Params, run: str, r: int, node: int, timeout_s: floa
                 if time.monotonic() >= next_beat:
                     watch.poll()
                     next_beat = time.monotonic() + beat_every
+                    if not waiting_logged and not (state and state.is_running()) and \
+                            time.monotonic() - t0 > min(WAITING_LOG_S, o.heartbeat_timeout_s / 2):
+                        waiting_logged = True
+                        get_run_logger().warning(
+                            "node %d round %d: waiting for a runner of %s (its flow run %s for %.0f s; lost after "
+                            "%.0f s without a heartbeat)", node, r, name, state.name if state else "not scheduled",
+                            time.monotonic() - t0, o.heartbeat_timeout_s)
                 if watch.silent_s() > o.heartbeat_timeout_s:
                     _cancel_flow_run(fr.id, state)
                     raise NodeLost(f"node {node} round {r}: lost: no heartbeat for {watch.silent_s():.0f} s "

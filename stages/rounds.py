@@ -29,15 +29,16 @@ def main() -> None:
     prefect_env_defaults()
     from pipelines.node_pool import POOL
     from pipelines.prefect_api import prefect_api
-    from pipelines.round import stop_on_signals
-
-    stop_on_signals()
     from spes.sync.methods import sync_method
 
     if p.orchestration.executor == "process":
         POOL.start(range(sync_method(p.spes).nodes))  # node processes start while the Prefect server does
     with prefect_api():  # PREFECT_API_URL, or a local server that dies with this process
+        # prefect is imported only now: its settings are read at import, after PREFECT_API_URL is set
+        from pipelines.round import stop_on_signals
         from pipelines.training import spes_training
+
+        stop_on_signals()
         from spes.run.layout import MODEL_FILE
         from spes.run.run import Run
         from spes.storage.store import Store
