@@ -5,7 +5,7 @@ Prefect server, each running what the README says a GPU machine runs (`python -m
 The run's rounds keep node state local (no checkpoint before the end), so every node must run where its
 state is. Machine B is killed in the middle of a round and started again: the orchestrator notices within
 the heartbeat bound, retries the node on its machine when it is back, and the run ends bitwise equal to one
-made with the process executor on a single machine."""
+made with the process executor on a single machine (the session's tiny reference run: same settings)."""
 import json
 import os
 import signal
@@ -23,13 +23,12 @@ from tests.pipelines.test_deployment import _api, _free_port, _wait_for
 from tests.pipelines.tiny_project import PARAMS, assert_same, init_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ROUNDS, KILL_ROUND = 4, 2
+ROUNDS, KILL_ROUND = 3, 2  # the tiny project's run (tests/pipelines/tiny_project.py)
 CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 def _params(root, endpoint: str, executor: str, bucket_prefix: str, **orchestration) -> str:
-    p = json.loads(json.dumps(PARAMS))
-    p["spes"].update(rounds=ROUNDS, warmup_rounds=1)
+    p = json.loads(json.dumps(PARAMS))  # the maths of the tiny reference run; only where things run differs
     p.update(artifacts_dir=str(root / "artifacts"),
              storage={"url": f"s3://spes-many/{bucket_prefix}", "options": {"endpoint_url": endpoint}, "keep_rounds": 2},
              checkpoint={"every_rounds": 100})  # node state stays on the node's machine until the end
@@ -145,18 +144,10 @@ def _ready(api: str, names) -> bool:
 
 
 @pytest.fixture(scope="module")
-def reference(cluster):
-    """The same run made with the process executor on one machine: final global weights."""
-    orch = cluster["orch"]
-    ref_file = _params(orch, cluster["endpoint"], "process", "ref")
-    env = cluster["env"]("orchestrator")
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in CREDS.items():
-            mp.setenv(k, v)
-        init_run(ref_file, "ref")
-        ref, ref_log = _orchestrate(ref_file, "ref", env, orch)
-        assert ref.wait(timeout=400) == 0, ref_log.read_text()[-4000:]
-        return Run(Store.from_config(load_params(ref_file).storage), "ref").load_model(ROUNDS)[0].canonical_state_dict()
+def reference(tiny_reference):
+    """The same run made with the process executor on one machine (once per session): final global weights."""
+    assert ROUNDS == max(tiny_reference["sha"])
+    return tiny_reference["weights"]
 
 
 @pytest.mark.s3
