@@ -152,7 +152,7 @@ def test_straggler_node_deployment_is_cancelled_and_left_out(served):
     root, _, api = served
     pfile = str(root / "params.yaml")
     init_run(pfile, "dep-slow")
-    overrides = ["orchestration.executor=deployment", "orchestration.round_timeout_s=25", "orchestration.min_nodes=1",
+    overrides = ["orchestration.executor=deployment", "orchestration.round_timeout_s=15", "orchestration.min_nodes=1",
                  f"orchestration.node_cache_dir={root / 'node-cache'}"]
     _ok(deployment_run(served, "run_name=dep-slow", "stage=warmup", f"overrides={json.dumps(overrides)}"), served)
     store = Store(load_params(pfile).storage.url)
