@@ -16,9 +16,10 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.runtime import flow_run
 
+from pipelines.deployment_nodes import check_node_deployments
 from pipelines.formatting import load_heatmap, sparkline
 from pipelines.node_pool import POOL
-from pipelines.round import artifact_key, check_node_deployments, round_task
+from pipelines.round import artifact_key, round_task
 from spes.config.loader import load_params, to_dict
 from spes.config.schema import Params
 from spes.data.tokens import TokenData, check_vocab

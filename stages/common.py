@@ -52,6 +52,6 @@ def run(main) -> None:
     except SpesError as e:
         print(f"{name}: {type(e).__name__}: {e}", file=sys.stderr)
         raise SystemExit(1)
-    except KeyboardInterrupt as e:  # SIGINT/SIGTERM (pipelines.round.stop_on_signals): the rounds so far stay
+    except KeyboardInterrupt as e:  # SIGINT/SIGTERM (pipelines.stopping.stop_on_signals): the rounds so far stay
         print(f"{name}: {e or 'interrupted'}; committed rounds are kept, resume with the same command", file=sys.stderr)
         raise SystemExit(130)

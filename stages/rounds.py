@@ -35,7 +35,7 @@ def main() -> None:
         POOL.start(range(sync_method(p.spes).nodes))  # node processes start while the Prefect server does
     with prefect_api():  # PREFECT_API_URL, or a local server that dies with this process
         # prefect is imported only now: its settings are read at import, after PREFECT_API_URL is set
-        from pipelines.round import stop_on_signals
+        from pipelines.stopping import stop_on_signals
         from pipelines.training import spes_training
 
         stop_on_signals()

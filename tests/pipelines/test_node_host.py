@@ -2,10 +2,10 @@
 with a reason, the node list parses, deployment names are checked up front."""
 import pytest
 
+from pipelines.deployment_nodes import node_deployment
 from pipelines.node_flow import parse_nodes
 from pipelines.node_host import NodeHost, host_round
 from pipelines.request import NodeRequest
-from pipelines.round import node_deployment
 from spes.config.loader import params_from_dict, to_dict
 from spes.config.schema import Params
 from spes.errors import ConfigError, NodeFailed
