@@ -136,7 +136,8 @@ def _run_flow_run(p: Params, run: str, r: int, node: int, timeout_s: float, chec
         finally:
             stopping.unregister(fr.id)
     if not state.is_completed():
-        raise NodeFailed(f"node {node} round {r}: deployment run ended {state.name}")
+        why = f": {state.message}" if state.message else ""  # the node's own error, as its flow run reported it
+        raise NodeFailed(f"node {node} round {r}: deployment run ended {state.name}{why}")
     report = committed_report(store, run, r, node)
     if report is None:
         raise NodeFailed(f"node {node} round {r}: its deployment run completed but no upload is committed")
