@@ -98,3 +98,6 @@ def test_dvc_repro_end_to_end(tmp_path):
     assert "| centralized | 1 | 0.002 |" in (proj / "artifacts/compare/report.md").read_text()
     plots = subprocess.run(dvc + ["plots", "show", "--json"], cwd=proj, env=env, capture_output=True, text=True)
     assert plots.returncode == 0 and "spes (1x)" in plots.stdout and "centralized (1x)" in plots.stdout
+    node_loss = json.loads(plots.stdout)["data"]["artifacts/eval/node_loss.csv"][0]["content"]
+    assert node_loss["encoding"]["color"]["field"] == "node"  # one line per node, not one zig-zag
+    assert {v["node"] for v in node_loss["data"]["values"]} == {"0", "1"}
