@@ -100,26 +100,18 @@ def cluster(tmp_path_factory, tiny_tokens):
 
 
 class Machine:
-    """A node machine: `python -m pipelines.node_flow --nodes ...` in its own folder and process group."""
+    """A node machine: `python -m pipelines.node_flow <args>` in its own folder (its HOME) and process group."""
 
-    def __init__(self, cluster, name: str, nodes: str, **env):
-        self.cluster, self.name, self.nodes, self.extra = cluster, name, nodes, env
-        self.home = cluster["root"] / name
+    def __init__(self, cluster, name: str, *args: str):
+        self.cluster, self.name, self.args = cluster, name, args
         self.proc = None
 
     def start(self, **env) -> "Machine":
         log = open(self.cluster["root"] / f"{self.name}.log", "a")
-        self.proc = subprocess.Popen([sys.executable, "-m", "pipelines.node_flow", "--nodes", self.nodes],
-                                     cwd=self.cluster["env"](self.name)["HOME"],
-                                     env=dict(self.cluster["env"](self.name), **env), stdout=log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        return self
-
-    def start_spare(self) -> "Machine":
-        log = open(self.cluster["root"] / f"{self.name}.log", "a")
-        env = self.cluster["env"](self.name)
-        self.proc = subprocess.Popen([sys.executable, "-m", "pipelines.node_flow", "--spare"], cwd=env["HOME"], env=env,
-                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        machine_env = self.cluster["env"](self.name)
+        self.proc = subprocess.Popen([sys.executable, "-m", "pipelines.node_flow", *self.args], cwd=machine_env["HOME"],
+                                     env=dict(machine_env, **env), stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
         return self
 
     def kill(self) -> None:
@@ -160,8 +152,8 @@ def test_two_machines_with_one_killed_and_restarted_end_bitwise_equal(cluster, r
     pfile = _params(orch, cluster["endpoint"], "deployment", "many")
     init_run(pfile, "many")
     slow = {"slow": {"run": "many", "round": KILL_ROUND, "node": 1, "seconds": 120}}
-    a = Machine(cluster, "machine-a", "0").start()
-    b = Machine(cluster, "machine-b", "1").start(SPES_FAULT_PLAN=json.dumps(slow))
+    a = Machine(cluster, "machine-a", "--nodes", "0").start()
+    b = Machine(cluster, "machine-b", "--nodes", "1").start(SPES_FAULT_PLAN=json.dumps(slow))
     try:
         _wait_for("node deployments", lambda: _ready(api, ["spes-node/spes-node-0", "spes-node/spes-node-1"]), 120,
                   [a.proc, b.proc])
@@ -212,9 +204,9 @@ def test_a_node_whose_machine_stays_dead_moves_to_a_spare_when_its_state_is_on_s
     open(pfile, "w").write(yaml.safe_dump(p))
     init_run(pfile, "spare")
     slow = {"slow": {"run": "spare", "round": KILL_ROUND, "node": 1, "seconds": 120}}
-    a = Machine(cluster, "spare-a", "0").start()
-    b = Machine(cluster, "spare-b", "1").start(SPES_FAULT_PLAN=json.dumps(slow))
-    c = Machine(cluster, "spare-c", "").start_spare()
+    a = Machine(cluster, "spare-a", "--nodes", "0").start()
+    b = Machine(cluster, "spare-b", "--nodes", "1").start(SPES_FAULT_PLAN=json.dumps(slow))
+    c = Machine(cluster, "spare-c", "--spare").start()
     try:
         _wait_for("node deployments", lambda: _ready(api, ["spes-node/spes-node-0", "spes-node/spes-node-1",
                                                             "spes-node/spes-node-spare"]), 120, [a.proc, b.proc, c.proc])
