@@ -32,10 +32,10 @@ from spes.sync.methods import sync_method
 
 log = stopping.log
 
-POLL_S, COMMIT_POLL_S, WAITING_LOG_S = 0.25, 0.25, 10.0
-"""How often the orchestrator looks at a node's flow run (a cheap API read) and, while it runs, for its
-committed upload on storage (one small read); heartbeats: every timeout/4. A node run not started after
-WAITING_LOG_S seconds is logged once as waiting for its runner."""
+POLL_S, WAITING_LOG_S = 0.25, 10.0
+"""How often the orchestrator looks at a node's flow run (an API read, not storage: storage is read for the
+heartbeat every timeout/4 and for the upload once the run ends, so its reads do not grow with a round's
+length). A node run not started after WAITING_LOG_S seconds is logged once as waiting for its runner."""
 
 _LOST: set = set()
 """(run, round, node) whose machine was lost in that round (this process)."""
@@ -98,19 +98,13 @@ def _run_flow_run(p: Params, run: str, r: int, node: int, timeout_s: float, chec
                                                     parent_task_run_id=task_run.id)  # shown under its node task
         stopping.register(fr.id, f"node {node} round {r}", lambda: _cancel_flow_run(fr.id, _state_of(fr.id)))
         watch, deadline = HeartbeatWatch(store, run, r, node), time.time() + timeout_s
-        beat_every, next_beat, next_commit = o.heartbeat_timeout_s / 4, 0.0, 0.0
+        beat_every, next_beat = o.heartbeat_timeout_s / 4, 0.0
         t0, waiting_logged = time.monotonic(), False
         try:
             while True:
                 state = client.read_flow_run(fr.id).state
                 if state is not None and state.is_final():
                     break
-                if state is not None and state.is_running() and time.monotonic() >= next_commit:
-                    # the upload is what counts: no need to wait for the flow run to wind down and report
-                    report = committed_report(store, run, r, node)
-                    if report is not None:
-                        return "ok", report
-                    next_commit = time.monotonic() + COMMIT_POLL_S
                 if stopping.STOPPING.is_set():
                     _cancel_flow_run(fr.id, state)
                     raise stopping.Stopped(f"node {node} round {r}: the orchestrator is stopping; its flow run was cancelled")

@@ -45,24 +45,15 @@ def spes_node(params: dict, run: str, r: int, node: int, tokens: Optional[str] =
         if host:  # the machine's warm node process
             report = host_round(host, req, lambda line: logger.info("node %d | %s", node, line))
         else:  # served without a host (a flow run started by hand): the round in this process
-            report = _in_process(p, req)
+            report = _in_process(req)
     return report.to_json()
 
 
-def _in_process(p, req: NodeRequest):
-    import torch
-
+def _in_process(req: NodeRequest):
     from pipelines.faults import FaultPlan
-    from pipelines.node_ranks import run_node
-    from pipelines.node_worker import tokens_folder
-    from spes.storage.store import Store
-    from spes.train.devices import node_threads
+    from pipelines.node_worker import run_request
 
-    threads = node_threads(p, 1)
-    torch.set_num_threads(threads)
-    store = Store.from_config(p.storage)
-    return run_node(p, store, req.run, req.round, req.node, tokens_folder(p, store, req), threads,
-                    on_step=FaultPlan.from_env().hook(req.run, req.round, req.node), checkpoint=req.checkpoint)
+    return run_request(req, 1, FaultPlan.from_env())  # a deployment node has its machine to itself
 
 
 def parse_nodes(text: str) -> list[int]:

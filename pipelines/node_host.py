@@ -11,7 +11,7 @@ When the flow run goes away (cancelled by the orchestrator, killed), its connect
 kills the node's round: a straggler does not keep its GPU busy into the next round.
 
 Wire format, one JSON object per line: the client sends a NodeRequest; the host answers `LOG <text>` lines,
-then `RESULT {"ok": true, "meta": ...}` or `RESULT {"ok": false, "error": ..., "retryable": ...}`.
+then the node worker's result line (pipelines/node_worker.py: `RESULT {"ok": ...}`).
 """
 from __future__ import annotations
 
@@ -25,11 +25,12 @@ import threading
 from typing import Callable, Iterable, Optional
 
 from pipelines.node_pool import NodePool
+from pipelines.node_worker import RESULT, read_result, result_line
 from pipelines.request import NodeRequest
-from spes.errors import NodeFailed, retryable
+from spes.errors import NodeFailed
 
 HOST_ENV = "SPES_NODE_HOST"
-RESULT, LOG = "RESULT ", "LOG "
+LOG = "LOG "
 
 
 def _closed(conn: socket.socket) -> bool:
@@ -48,7 +49,8 @@ class NodeHost:
         self.nodes = None if nodes is None else set(nodes)
         # rounds training at once on this machine (one per GPU): a flow run waiting here costs nothing
         self._slots = threading.BoundedSemaphore(limit) if limit else None
-        self.pool = NodePool()
+        # its node processes share this machine's cores among the rounds that run at once
+        self.pool = NodePool(limit or (len(self.nodes) if self.nodes else None))
         self._locks: dict[int, threading.Lock] = {}
         self._lock = threading.Lock()
         self.path = os.path.join(tempfile.mkdtemp(prefix="spes-node-host-"), "host.sock")
@@ -89,11 +91,11 @@ class NodeHost:
                         req, float("inf"), lambda line: send(LOG + line), cancelled=lambda: _closed(conn))
                 if status != "ok":
                     return  # the client is gone: nobody to answer
-                out = {"ok": True, "meta": report.to_json()}
+                out = result_line(report)
             except Exception as e:
-                out = {"ok": False, "error": f"{type(e).__name__}: {e}", "retryable": retryable(e)}
+                out = result_line(error=e)
             try:
-                send(RESULT + json.dumps(out))
+                send(out)
             except OSError:
                 pass
 
@@ -109,8 +111,6 @@ class NodeHost:
 
 def host_round(path: str, req: NodeRequest, log: Callable[[str], None]):
     """The node's round through the host at `path`; its NodeReport. Raises NodeFailed as the host reports it."""
-    from spes.run.records import NodeReport
-
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         try:
             conn.connect(path)
@@ -123,9 +123,5 @@ def host_round(path: str, req: NodeRequest, log: Callable[[str], None]):
                 if line.startswith(LOG):
                     log(line[len(LOG):])
                 elif line.startswith(RESULT):
-                    out = json.loads(line[len(RESULT):])
-                    if not out["ok"]:
-                        raise NodeFailed(f"node {req.node} round {req.round}: {out['error']}",
-                                         retryable=out.get("retryable", True))
-                    return NodeReport.from_json(out["meta"], f"node host {path}")
+                    return read_result(line, req.node, req.round, f"node host {path}")
     raise NodeFailed(f"node {req.node} round {req.round}: the node host closed the connection without a result")

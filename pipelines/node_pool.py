@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from pipelines.node_worker import RESULT
+from pipelines.node_worker import NODES_HERE_ENV, RESULT, read_result
 from pipelines.request import NodeRequest
 from spes.errors import NodeFailed
 from spes.run.records import NodeReport
@@ -41,9 +41,11 @@ def spawn(args: list[str], **kwargs) -> subprocess.Popen:
 
 
 class NodeProcess:
-    def __init__(self, node: int):
+    def __init__(self, node: int, nodes_here: Optional[int] = None):
         env = dict(os.environ)
         env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        if nodes_here:
+            env[NODES_HERE_ENV] = str(nodes_here)
         self.node = node
         self.proc = spawn([sys.executable, "-m", "pipelines.node_worker"], stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
@@ -84,11 +86,7 @@ class NodeProcess:
                 rc = self.proc.wait()
                 raise NodeFailed(f"node {self.node} round {req.round}: worker process died (exit {rc})")
             if line.startswith(RESULT):
-                out = json.loads(line[len(RESULT):])
-                if not out["ok"]:
-                    raise NodeFailed(f"node {self.node} round {req.round}: {out['error']}",
-                                     retryable=out.get("retryable", True))
-                return "ok", NodeReport.from_json(out["meta"], f"node {self.node} worker")
+                return "ok", read_result(line, self.node, req.round, f"node {self.node} worker")
             log(line)
 
     def kill(self) -> None:
@@ -106,15 +104,18 @@ class NodeProcess:
 
 
 class NodePool:
-    def __init__(self):
+    """`nodes_here`: how many nodes share this machine's cores (a node host's); None: all of the run's nodes."""
+
+    def __init__(self, nodes_here: Optional[int] = None):
         self._procs: dict[int, NodeProcess] = {}
         self._lock = threading.Lock()
+        self.nodes_here = nodes_here
 
     def get(self, node: int) -> NodeProcess:
         with self._lock:
             p = self._procs.get(node)
             if p is None or not p.alive():
-                p = self._procs[node] = NodeProcess(node)
+                p = self._procs[node] = NodeProcess(node, self.nodes_here)
             return p
 
     def start(self, nodes) -> None:

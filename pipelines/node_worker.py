@@ -13,8 +13,11 @@ import json
 import logging
 import os
 import sys
+from typing import Optional
 
 RESULT = "RESULT "
+NODES_HERE_ENV = "SPES_NODES_HERE"
+"""Set by a node host (pipelines/node_host.py) for its worker processes: the nodes sharing this machine's cores."""
 
 
 def tokens_folder(p, store, req) -> str:
@@ -29,19 +32,54 @@ def tokens_folder(p, store, req) -> str:
     return os.path.join(p.artifacts_dir, "tokens")
 
 
-def serve() -> int:
-    import torch
-    import torch._dynamo  # noqa: F401  the first optimizer construction imports it (~3 s): pay that before round 1
-
-    from pipelines.faults import FaultPlan
-    from pipelines.node_ranks import run_node
-    from pipelines.request import NodeRequest
-    from spes.config.loader import params_from_dict
+def result_line(meta=None, error: Optional[BaseException] = None) -> str:
+    """The line that ends a node's round on the wire: its report, or its error and whether a retry may help."""
     from spes.errors import retryable
+
+    out = {"ok": True, "meta": meta.to_json()} if error is None else \
+        {"ok": False, "error": f"{type(error).__name__}: {error}", "retryable": retryable(error)}
+    return RESULT + json.dumps(out)
+
+
+def read_result(line: str, node: int, r: int, where: str):
+    """The NodeReport of a result line; raises NodeFailed with the node's own error and retry advice."""
+    from spes.errors import NodeFailed
+    from spes.run.records import NodeReport
+
+    out = json.loads(line[len(RESULT):])
+    if not out["ok"]:
+        raise NodeFailed(f"node {node} round {r}: {out['error']}", retryable=out.get("retryable", True))
+    return NodeReport.from_json(out["meta"], where)
+
+
+def run_request(req, nodes_here: Optional[int], faults):
+    """The node's round for `req` in this process, on this machine's cores shared among `nodes_here` nodes
+    (None: all of the run's nodes, as the process executor runs them)."""
+    import torch
+
+    from pipelines.node_ranks import run_node
+    from spes.config.loader import params_from_dict
     from spes.run.layout import RunLayout
     from spes.storage.store import Store
     from spes.sync.methods import sync_method
     from spes.train.devices import node_threads
+
+    p = params_from_dict(req.params)
+    threads = node_threads(p, nodes_here or sync_method(p.spes).nodes)
+    torch.set_num_threads(threads)
+    r, node, run = req.round, req.node, req.run
+    store = Store.from_config(p.storage)
+    meta = run_node(p, store, run, r, node, tokens_folder(p, store, req), threads, on_step=faults.hook(run, r, node),
+                    checkpoint=req.checkpoint)
+    faults.after_commit(run, r, node, store.path(RunLayout(run).node_dir(r, node)))
+    return meta
+
+
+def serve() -> int:
+    import torch._dynamo  # noqa: F401  the first optimizer construction imports it (~3 s): pay that before round 1
+
+    from pipelines.faults import FaultPlan
+    from pipelines.request import NodeRequest
 
     # the library's progress lines go to stdout, which the pool relays to the node task's Prefect log
     handler = logging.StreamHandler(sys.stdout)
@@ -54,18 +92,11 @@ def serve() -> int:
             continue
         try:
             req = NodeRequest.from_json(json.loads(line))
-            p = params_from_dict(req.params)
-            threads = node_threads(p, sync_method(p.spes).nodes)
-            torch.set_num_threads(threads)
-            r, node, run = req.round, req.node, req.run
-            store = Store.from_config(p.storage)
-            meta = run_node(p, store, run, r, node, tokens_folder(p, store, req), threads,
-                            on_step=faults.hook(run, r, node), checkpoint=req.checkpoint)
-            faults.after_commit(run, r, node, store.path(RunLayout(run).node_dir(r, node)))
-            out = {"ok": True, "meta": meta.to_json()}
+            nodes_here = int(os.environ[NODES_HERE_ENV]) if os.environ.get(NODES_HERE_ENV) else None
+            out = result_line(run_request(req, nodes_here, faults))
         except Exception as e:  # report, stay alive for the next command
-            out = {"ok": False, "error": f"{type(e).__name__}: {e}", "retryable": retryable(e)}
-        print(RESULT + json.dumps(out), flush=True)
+            out = result_line(error=e)
+        print(out, flush=True)
     return 0
 
 

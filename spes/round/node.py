@@ -33,7 +33,7 @@ from spes.sync.codecs import make_codec
 from spes.sync.deltas import EXPERTS_FILE, encode_upload, experts_file
 from spes.sync.methods import sync_method
 from spes.train.devices import resolve_device
-from spes.train.distributed import broadcast_object, broadcast_tensors, rank_and_size
+from spes.train.distributed import broadcast_object, broadcast_tensors, rank_and_size, shards_node
 from spes.train.trainer import NodeTrainer, build_node_trainer
 
 log = logging.getLogger("spes.round.node")
@@ -154,7 +154,7 @@ def train(p: Params, r: int, node: int, data: TokenData, prev: dict, model_confi
     rank, ranks = rank_and_size()
     device = resolve_device(p.orchestration.device, node * ranks + rank)
     cfg = model_for_training(model_config, p.model)
-    if sharded(p):  # built without storage; each rank's shards come from rank 0's tensors
+    if shards_node(p.spes.node_parallel):  # built without storage; each rank's shards come from rank 0's tensors
         with torch.device("meta"):
             model = CausalLM(cfg)
         trainer = build_node_trainer(s, model, node, device)
@@ -248,14 +248,10 @@ def node_round(p: Params, store: Store, run: str, r: int, node: int, data: Token
         return done
     read0, written0 = store.bytes_read, store.bytes_written
     inputs = read_inputs(p, store, run, r, node) if lead else None
-    prev, model_config, optim, position = _share(inputs, sharded(p))
+    prev, model_config, optim, position = _share(inputs, shards_node(p.spes.node_parallel))
     t = train(p, r, node, data, prev, model_config, optim, position, on_step)
     trained, optim = t.trainer.upload(), t.trainer.optimizer_tensors()  # every rank: gathers under fsdp
     if not lead:
         return None
     return commit(p, store, run, r, node, inputs, t, trained, optim, checkpoint, read0, written0)
 
-
-def sharded(p: Params) -> bool:
-    """Whether this node's ranks shard the model (spes.node_parallel: fsdp over several ranks)."""
-    return p.spes.node_parallel == "fsdp" and rank_and_size()[1] > 1

@@ -68,7 +68,7 @@ class HeartbeatWatch:
     def poll(self) -> None:
         try:
             body = self.store.read_bytes(self.rel)
-        except (SpesError, OSError, FileNotFoundError):
+        except (SpesError, OSError):  # not written yet, or storage did not answer: no news
             return
         try:
             if json.loads(body).get("round") != self.r:  # a beat of an earlier round says nothing about this one

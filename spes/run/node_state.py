@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from typing import Optional
@@ -55,6 +56,11 @@ class NodeState:
     source: str
 
 
+def run_folder(run: str, run_id: str) -> str:
+    """A run's folder on a node's machine: its name and run id (the same name may be started anew)."""
+    return f"{run}-{run_id[:12]}"
+
+
 def storage_key(url: str) -> str:
     return hashlib.sha256(url.encode()).hexdigest()[:12]
 
@@ -62,7 +68,7 @@ def storage_key(url: str) -> str:
 class NodeStateDir:
     def __init__(self, root: str, storage_url: str, run: str, run_id: str, node: int):
         self.run, self.run_id, self.node = run, run_id, node
-        self.path = os.path.join(os.path.expanduser(root), storage_key(storage_url), f"{run}-{run_id[:12]}",
+        self.path = os.path.join(os.path.expanduser(root), storage_key(storage_url), run_folder(run, run_id),
                                  f"node-{node:03d}")
         self.local = Store(self.path, retries=0)
 
@@ -144,19 +150,18 @@ class NodeStateDir:
     def remove_superseded(self) -> list[str]:
         """Remove this node's folders of earlier runs of the same name (another run id: superseded or started
         anew); nothing can resume from them. Returns what was removed."""
-        parent = os.path.dirname(os.path.dirname(self.path))  # <root>/<storage key>/
-        mine = os.path.basename(os.path.dirname(self.path))
+        parent, mine = os.path.split(os.path.dirname(self.path))  # <root>/<storage key>, <run>-<id>
+        other_ids = re.compile(re.escape(self.run) + r"-[0-9a-f]{12}")
         removed = []
         for name in sorted(os.listdir(parent)) if os.path.isdir(parent) else []:
-            run_id = name[len(self.run) + 1:]
-            if name != mine and name.startswith(f"{self.run}-") and len(run_id) == 12 and \
-                    all(c in "0123456789abcdef" for c in run_id):
-                node_dir = os.path.join(parent, name, f"node-{self.node:03d}")
-                if os.path.isdir(node_dir):
-                    shutil.rmtree(node_dir, ignore_errors=True)
-                    removed.append(node_dir)
-                if os.path.isdir(os.path.join(parent, name)) and not os.listdir(os.path.join(parent, name)):
-                    os.rmdir(os.path.join(parent, name))
+            if name == mine or not other_ids.fullmatch(name) or not os.path.isdir(os.path.join(parent, name)):
+                continue
+            node_dir = os.path.join(parent, name, f"node-{self.node:03d}")
+            if os.path.isdir(node_dir):
+                shutil.rmtree(node_dir, ignore_errors=True)
+                removed.append(node_dir)
+            if not os.listdir(os.path.join(parent, name)):
+                os.rmdir(os.path.join(parent, name))
         return removed
 
     # -- the global model this node holds -------------------------------------------------------------

@@ -15,6 +15,11 @@ def rank_and_size() -> tuple[int, int]:
     return 0, 1
 
 
+def shards_node(parallel: str) -> bool:
+    """Whether this node's ranks shard its model: spes.node_parallel fsdp over more than one rank."""
+    return parallel == "fsdp" and rank_and_size()[1] > 1
+
+
 def broadcast_object(obj: Any) -> Any:
     """Rank 0's `obj` on every rank (small, picklable things between our own ranks only)."""
     if rank_and_size()[1] == 1:

@@ -21,7 +21,7 @@ from spes.model.moe import MoE
 from spes.model.transformer import CausalLM, ModelOutput
 from spes.sync.methods import sync_method
 from spes.train.devices import AUTOCAST_DTYPES, autocast
-from spes.train.distributed import broadcast_object, rank_and_size
+from spes.train.distributed import broadcast_object, rank_and_size, shards_node
 
 
 def stable_end(cfg: OptimConfig, total_steps: int) -> int:
@@ -76,7 +76,7 @@ class NodeTrainer:
         self.lead = self.rank == 0
         if model.cfg.is_moe:
             model.set_trainable_experts(self.owned, frozen_dtype)
-        self.fsdp = parallel == "fsdp" and self.ranks > 1
+        self.fsdp = shards_node(parallel)
         self.ddp = None
         if self.fsdp:
             from spes.train.sharding import shard_model
