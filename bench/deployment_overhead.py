@@ -1,11 +1,14 @@
 """The deployment executor's cost per round against the process executor's, side by side in one run.
 
 Starts a Prefect server and a node machine (`python -m pipelines.node_flow --nodes 0,1`, its own HOME) on
-loopback, then runs the same run (the embedded default's model and round size) twice, once per executor, and compares the rounds' wall times from
-their records on storage (the first round of each excluded: it pays the processes' start). Goal: deployment
-wall per round <= 2x the process executor's.
+loopback, then runs the same run (the embedded default's model and round size) once per executor, `--repeat`
+times alternating, and compares the rounds' wall times from their records on storage (the first round of
+each run excluded: it pays the processes' start). Goal: deployment wall per round <= 2x the process
+executor's, over all repeats (each repeat's ratio printed too: on one 2-core machine the Prefect server's
+SQLite writes wait now and then for its event persister, which competes with the training for the cores).
 
-    python bench/deployment_overhead.py [--rounds 6] [--json]
+    python bench/deployment_overhead.py [--rounds 6] [--repeat 3] [--json]
+        [--database-url postgresql+asyncpg://user@127.0.0.1:5432/prefect]   # the server on PostgreSQL, not SQLite
 """
 from __future__ import annotations
 
@@ -60,6 +63,9 @@ def _wait(what: str, check, timeout_s: float) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--database-url", default=None,
+                    help="the Prefect server's database (default: its own SQLite file), e.g. an empty PostgreSQL one")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     import torch
@@ -84,7 +90,8 @@ def main() -> None:
         yaml.safe_dump(p, f)
     params = load_params(pfile)
     store = Store.from_config(params.storage)
-    for run in ("process", "deployment"):
+    pairs = [(f"{executor}-{k}", executor) for k in range(a.repeat) for executor in ("process", "deployment")]
+    for run, _ in pairs:
         torch.manual_seed(0)
         Run(store, run).ensure(settings_fingerprint(params),
                                InitModel.from_state(CausalLM(params.model).canonical_state_dict(), params.model, "bench"))
@@ -94,8 +101,9 @@ def main() -> None:
     env.update(PYTHONPATH=ROOT, PREFECT_API_URL=api, PREFECT_HOME=os.path.join(tmp, "prefect"),
                PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="false")
     port = api.split(":")[2].split("/")[0]
+    server_env = dict(env, **({"PREFECT_SERVER_DATABASE_CONNECTION_URL": a.database_url} if a.database_url else {}))
     procs = [subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
-                               port, "--no-ui"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               port, "--no-ui"], env=server_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)]
     try:
         _wait("the Prefect server", lambda: _get(api + "/health") is True, 180)
@@ -107,16 +115,17 @@ def main() -> None:
         _wait("the node deployments", lambda: all(
             _get(f"{api}/deployments/name/spes-node/spes-node-{i}").get("status") == "READY" for i in (0, 1)), 120)
         walls = {}
-        for executor in ("process", "deployment"):
+        for run, executor in pairs:
             code = ("import sys; from pipelines.training import spes_training; spes_training(params_path=sys.argv[1], "
-                    "stage='all', run_name=sys.argv[2], overrides=[f'orchestration.executor={sys.argv[2]}'])")
+                    "stage='all', run_name=sys.argv[2], overrides=[f'orchestration.executor={sys.argv[3]}'])")
             t = time.time()
-            out = subprocess.run([sys.executable, "-c", code, pfile, executor], env=env, capture_output=True, text=True)
+            out = subprocess.run([sys.executable, "-c", code, pfile, run, executor], env=env, capture_output=True,
+                                 text=True)
             if out.returncode:
-                raise SystemExit(f"deployment_overhead: the {executor} run failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
-            recs = Run(store, executor).records(2, a.rounds)
-            walls[executor] = {"round_wall_s": [rec.wall_s for rec in recs], "flow_s": time.time() - t,
-                               "max_node_compute_s": [rec.max_node_compute_s for rec in recs]}
+                raise SystemExit(f"deployment_overhead: the {run} run failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
+            recs = Run(store, run).records(2, a.rounds)
+            walls[run] = {"round_wall_s": [rec.wall_s for rec in recs], "flow_s": time.time() - t,
+                          "max_node_compute_s": [rec.max_node_compute_s for rec in recs]}
         # where a deployment round's time goes: each node flow run's creation, start and end
         runs = json.loads(urllib.request.urlopen(urllib.request.Request(
             api + "/flow_runs/filter", data=json.dumps({"limit": 200}).encode(),
@@ -129,8 +138,8 @@ def main() -> None:
         lags = [(t(r["start_time"]) - t(r["created"]), t(r["end_time"]) - t(r["start_time"]))
                 for r in runs if r["name"].startswith("deployment-node-") and r["start_time"] and r["end_time"]]
         if lags:
-            walls["deployment"]["created_to_start_s"] = sum(x for x, _ in lags) / len(lags)
-            walls["deployment"]["start_to_end_s"] = sum(y for _, y in lags) / len(lags)
+            walls["node_flow_runs"] = {"created_to_start_s": sum(x for x, _ in lags) / len(lags),
+                                       "start_to_end_s": sum(y for _, y in lags) / len(lags)}
     finally:
         for proc in reversed(procs):
             try:
@@ -142,17 +151,23 @@ def main() -> None:
     def mean(xs):
         return sum(xs) / len(xs)
 
-    proc_w, dep_w = mean(walls["process"]["round_wall_s"]), mean(walls["deployment"]["round_wall_s"])
-    compute = mean(walls["process"]["max_node_compute_s"])
-    print(f"rounds 2..{a.rounds}, {PARAMS['spes']['sync_steps']} steps each, 2 nodes on this machine")
-    print(f"process executor    {proc_w:6.2f} s per round (node compute {compute:.2f} s)")
+    def per_round(executor, key="round_wall_s"):
+        return mean([x for run, ex in pairs if ex == executor for x in walls[run][key]])
+
+    print(f"rounds 2..{a.rounds} of {a.repeat} runs per executor, {PARAMS['spes']['sync_steps']} steps each, "
+          f"2 nodes on this machine, Prefect server on {'PostgreSQL' if a.database_url else 'SQLite'}")
+    for k in range(a.repeat):
+        p_w, d_w = mean(walls[f"process-{k}"]["round_wall_s"]), mean(walls[f"deployment-{k}"]["round_wall_s"])
+        print(f"  repeat {k}: process {p_w:5.2f} s, deployment {d_w:5.2f} s per round = {d_w / p_w:.2f}x")
+    proc_w, dep_w = per_round("process"), per_round("deployment")
+    print(f"process executor    {proc_w:6.2f} s per round (node compute {per_round('process', 'max_node_compute_s'):.2f} s)")
     print(f"deployment executor {dep_w:6.2f} s per round (node compute "
-          f"{mean(walls['deployment']['max_node_compute_s']):.2f} s)")
+          f"{per_round('deployment', 'max_node_compute_s'):.2f} s)")
     print(f"deployment / process = {dep_w / proc_w:.2f}x (goal <= 2x); overhead beyond the process executor "
           f"{dep_w - proc_w:.2f} s per round")
-    if "created_to_start_s" in walls["deployment"]:
-        print(f"node flow runs: created -> running {walls['deployment']['created_to_start_s']:.2f} s, running -> "
-              f"finished {walls['deployment']['start_to_end_s']:.2f} s (mean)")
+    if "node_flow_runs" in walls:
+        print(f"node flow runs: created -> running {walls['node_flow_runs']['created_to_start_s']:.2f} s, running -> "
+              f"finished {walls['node_flow_runs']['start_to_end_s']:.2f} s (mean)")
     if a.json:
         print(json.dumps({"process_round_s": proc_w, "deployment_round_s": dep_w, "ratio": dep_w / proc_w,
                           "walls": walls}))

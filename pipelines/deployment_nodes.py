@@ -57,28 +57,38 @@ def node_deployment(template: str, node) -> str:
 def run_on_deployment(p: Params, run: str, r: int, node: int, timeout_s: float, checkpoint: bool,
                       tokens_key: Optional[str]) -> tuple[str, Optional[NodeReport]]:
     """Node `node`'s round as a flow run of its deployment; after its machine was lost (this round, or it moved
-    earlier), on the spare deployment when its state allows."""
-    target = None
-    if (run, r, node) in _LOST or (run, node) in _MOVED:
-        target = _spare_allows(p, run, r, node)
-        if target and (run, r, node) in _LOST:
-            ref = Run(Store.from_config(p.storage), run).global_meta(r - 1).node_states.get(node)
-            get_run_logger().warning("node %d round %d: its machine was lost; retrying it on %s (its state %s)",
-                                     node, r, target, f"from the checkpoint of round {ref.round}" if ref else
-                                     "new: its first round")
+    earlier), on the spare deployment: with its state from shared storage (the checkpoint its global names,
+    else its latest checkpoint: an older optimizer state and data position, and the run says so)."""
+    target, from_checkpoint = None, False
+    if p.orchestration.spare_deployment and (run, r, node) in _LOST:
+        target = p.orchestration.spare_deployment
+        store_run = Run(Store.from_config(p.storage), run)
+        ref = store_run.global_meta(r - 1).node_states.get(node)
+        from_checkpoint = ref is not None and not ref.checkpoint
+        if from_checkpoint:
+            k, _ = store_run.last_checkpointed_state(node, ref.round)
+            where = (f"its state after round {ref.round} was on the lost machine: from its checkpoint of round {k}, "
+                     "an older optimizer state and data position")
+        else:
+            where = f"its state from the checkpoint of round {ref.round}" if ref else "new: its first round"
+        get_run_logger().warning("node %d round %d: its machine was lost; retrying it on %s (%s)", node, r, target,
+                                 where)
+    elif (run, node) in _MOVED:  # its state is on the spare now
+        target = p.orchestration.spare_deployment
     try:
-        status, report = _run_flow_run(p, run, r, node, timeout_s, checkpoint, tokens_key, target)
+        status, report = _run_flow_run(p, run, r, node, timeout_s, checkpoint, tokens_key, target, from_checkpoint)
     except NodeLost:
         _LOST.add((run, r, node))
         _MOVED.discard((run, node))  # a lost spare: its own machine first again
         raise
     if target is not None:
-        _MOVED.add((run, node))  # later rounds go to the spare directly while its state allows
+        _MOVED.add((run, node))  # later rounds go to the spare directly: its state is there now
     return status, report
 
 
 def _run_flow_run(p: Params, run: str, r: int, node: int, timeout_s: float, checkpoint: bool,
-                         tokens_key: Optional[str], target: Optional[str] = None) -> tuple[str, Optional[NodeReport]]:
+                         tokens_key: Optional[str], target: Optional[str] = None,
+                         from_checkpoint: bool = False) -> tuple[str, Optional[NodeReport]]:
     """Real clusters: the node runs as a flow run of its deployment, served by the machine that holds it (see
     pipelines/node_flow.py), reading the token shards published to shared storage under `tokens_key`. Its
     result reaches us through storage (the node's committed upload), the one channel both sides share. While
@@ -90,7 +100,8 @@ def _run_flow_run(p: Params, run: str, r: int, node: int, timeout_s: float, chec
     o = p.orchestration
     name = target or node_deployment(o.node_deployment, node)
     store = Store.from_config(p.storage)
-    params = NodeRequest(to_dict(p), run, r, node, checkpoint, tokens_key).deployment_parameters()
+    params = NodeRequest(to_dict(p), run, r, node, checkpoint, tokens_key,
+                         from_checkpoint=from_checkpoint).deployment_parameters()
     with get_client(sync_client=True) as client:
         # the client's own call, not run_deployment: that one took up to 6 s per node under concurrent tasks
         fr = client.create_flow_run_from_deployment(client.read_deployment_by_name(name).id, parameters=params,
@@ -190,15 +201,3 @@ def check_node_deployments(p: Params) -> None:
                 ([f"no live runner for {', '.join(idle)}"] if idle else [])
         raise NodeFailed(f"orchestration.executor is deployment: {'; '.join(parts)} on {os.environ.get('PREFECT_API_URL')}"
                          " (on each node machine: python -m pipelines.node_flow --nodes <its nodes>)", retryable=False)
-
-
-def _spare_allows(p: Params, run: str, r: int, node: int) -> Optional[str]:
-    """Where a lost node may be retried instead of its own machine: the spare deployment, when its state is
-    on shared storage (a checkpoint) or it has none yet; else None."""
-    if not p.orchestration.spare_deployment:
-        return None
-    meta = Run(Store.from_config(p.storage), run).global_meta(r - 1)
-    ref = meta.node_states.get(node)
-    if ref is None or ref.checkpoint:
-        return p.orchestration.spare_deployment
-    return None

@@ -5,9 +5,10 @@
 
 and set `orchestration.executor: deployment`: node i's round runs as a flow run of `spes-node/spes-node-<i>`
 (orchestration.node_deployment), which only the machine that holds node i serves, so a node always runs
-where its state is. The machine keeps one warm process per node across rounds (pipelines/node_host.py);
-each flow run hands its request to it, writes the node's heartbeat on shared storage while it works
-(spes/run/heartbeat.py) and relays the node's log lines to the Prefect UI. At most `--limit` rounds train at
+where its state is. The machine keeps one warm process per node across rounds (pipelines/node_host.py) and
+runs its flow runs on threads of this process (pipelines/node_runner.py: no fresh interpreter per round);
+each flow run hands its request to the node's process, writes the node's heartbeat on shared storage while
+it works (spes/run/heartbeat.py) and relays the node's log lines to the Prefect UI. At most `--limit` rounds train at
 once on this machine (default: one per visible GPU, or one per node on a CPU-only machine); others wait.
 
 `--spare` also serves `spes-node/spes-node-spare` (orchestration.spare_deployment): any node whose state
@@ -21,6 +22,8 @@ shared storage too (the key the training flow published them under), cached in
 # No `from __future__ import annotations` here: Prefect's runner pickles a served flow by value, and
 # its parameter annotations must resolve as objects in the child process.
 import os
+import socket
+import threading
 from typing import Optional
 
 from prefect import flow, get_run_logger
@@ -32,21 +35,41 @@ from spes.run.heartbeat import Heartbeat
 from spes.storage.files import FileStore
 
 SPARE = "spare"
+_CONNECTIONS: dict = {}
+"""flow run id -> its connection to the node host (closing it kills the node's round)"""
 
 
 @flow(name="spes-node", flow_run_name="{run}-node-{node}-round-{r}")
-def spes_node(params: dict, run: str, r: int, node: int, tokens: Optional[str] = None, checkpoint: bool = False) -> dict:
+def spes_node(params: dict, run: str, r: int, node: int, tokens: Optional[str] = None, checkpoint: bool = False,
+              from_checkpoint: bool = False) -> dict:
     p = params_from_dict(params)
     store = FileStore.from_config(p.storage)
-    req = NodeRequest(params, run, r, node, checkpoint, tokens)
+    req = NodeRequest(params, run, r, node, checkpoint, tokens, from_checkpoint=from_checkpoint)
     logger = get_run_logger()
     with Heartbeat(store, run, r, node, p.orchestration.heartbeat_timeout_s / 4):
         host = os.environ.get(HOST_ENV)
         if host:  # the machine's warm node process
-            report = host_round(host, req, lambda line: logger.info("node %d | %s", node, line))
+            from prefect.runtime import flow_run
+
+            key = str(flow_run.id)
+            try:
+                report = host_round(host, req, lambda line: logger.info("node %d | %s", node, line),
+                                    on_connect=lambda conn: _CONNECTIONS.__setitem__(key, conn))
+            finally:
+                _CONNECTIONS.pop(key, None)
         else:  # served without a host (a flow run started by hand): the round in this process
             report = _in_process(req)
     return report.to_json()
+
+
+def cancel_flow_run(flow_run_id) -> None:
+    """Stop a flow run's round: its connection to the node host closes, the host kills the round."""
+    conn = _CONNECTIONS.get(str(flow_run_id))
+    if conn is not None:
+        try:
+            conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 def _in_process(req: NodeRequest):
@@ -81,10 +104,10 @@ def default_limit(nodes: int) -> int:
 
 def main() -> None:
     import argparse
-
-    from prefect import serve
+    import signal
 
     from pipelines.node_host import NodeHost
+    from pipelines.node_runner import NodeRunner
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", default="", help="the nodes this machine holds, e.g. 0,1 or 0-3")
@@ -92,7 +115,7 @@ def main() -> None:
     ap.add_argument("--name", default="spes-node-{node}",
                     help="deployment name per node; orchestration.node_deployment is 'spes-node/<this>'")
     ap.add_argument("--limit", type=int, default=None, help="rounds at once on this machine (default: one per GPU)")
-    ap.add_argument("--poll-s", type=float, default=0.5, help="seconds between the runner's queries for new runs")
+    ap.add_argument("--poll-s", type=float, default=0.25, help="seconds between the runner's queries for new runs")
     a = ap.parse_args()
     if not os.environ.get("PREFECT_API_URL"):  # else it would serve against a temporary server nobody sees
         raise SystemExit("node_flow: PREFECT_API_URL is not set; point it at the orchestrator's Prefect server, "
@@ -102,16 +125,23 @@ def main() -> None:
         raise SystemExit("node_flow: name the nodes this machine holds (--nodes 0,1) and/or --spare")
     names = [a.name.replace("{node}", str(i)) for i in nodes] + ([a.name.replace("{node}", SPARE)] if a.spare else [])
     host = NodeHost(None if a.spare else nodes, a.limit or default_limit(len(names)))
-    os.environ[HOST_ENV] = host.path  # the flow runs the runner starts inherit it
+    os.environ[HOST_ENV] = host.path  # the flow runs of this process find the host through it
     host.start_workers()
     # no deployment concurrency limit: Prefect reschedules a run refused a slot ~30 s later; the host runs
-    # one round per node at a time instead (a second request for a node waits for the first)
-    deployments = [spes_node.to_deployment(name=n) for n in names]
+    # one round per node at a time instead (a second request for a node waits for the first). Flow runs
+    # are light (the host trains): room for a finishing run beside each node's next one.
+    runner = NodeRunner(spes_node, [spes_node.to_deployment(name=n) for n in names], a.poll_s,
+                        2 * len(names) + 1, cancel_flow_run)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        # flow runs are light (the host trains): room for a finishing run beside each node's next one
-        serve(*deployments, limit=2 * len(names) + 1, query_seconds=a.poll_s, print_starting_message=True)
+        runner.register()
+        print(f"node_flow: serving {', '.join('spes-node/' + n for n in names)} (Ctrl-C to stop)", flush=True)
+        runner.serve_forever(stop)
+    except KeyboardInterrupt:
+        pass
     finally:
-        host.close()
+        host.close()  # kills the node processes: a round in flight fails, the orchestrator retries it
 
 
 if __name__ == "__main__":

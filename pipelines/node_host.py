@@ -1,9 +1,8 @@
 """A GPU machine's node host: the warm node processes of the nodes this machine runs, and the local door the
 `spes-node` flow runs of this machine use to reach them.
 
-`python -m pipelines.node_flow --nodes 0,1` starts one (then serves the nodes' deployments). A flow run,
-which the Prefect runner starts as a fresh process for every round, does not train: it hands the node's
-request to the host through a Unix socket (`SPES_NODE_HOST`, inherited from the serving process), relays
+`python -m pipelines.node_flow --nodes 0,1` starts one (then serves the nodes' deployments). A flow run
+does not train: it hands the node's request to the host through a Unix socket (`SPES_NODE_HOST`), relays
 the node's log lines and returns its report. The host runs the round on the node's long-lived
 `pipelines.node_worker` process (torch imported once, not once per round), one round per node at a time
 and at most `limit` rounds at once (one per GPU).
@@ -109,13 +108,17 @@ class NodeHost:
             pass
 
 
-def host_round(path: str, req: NodeRequest, log: Callable[[str], None]):
-    """The node's round through the host at `path`; its NodeReport. Raises NodeFailed as the host reports it."""
+def host_round(path: str, req: NodeRequest, log: Callable[[str], None],
+               on_connect: Optional[Callable[[socket.socket], None]] = None):
+    """The node's round through the host at `path`; its NodeReport. Raises NodeFailed as the host reports it.
+    `on_connect` gets the connection (shutting it down cancels the round)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         try:
             conn.connect(path)
         except OSError as e:
             raise NodeFailed(f"node {req.node}: no node host at {path} ({e})") from None
+        if on_connect:
+            on_connect(conn)
         conn.sendall((json.dumps(req.to_json()) + "\n").encode())
         with conn.makefile("r", encoding="utf-8") as rf:
             for line in rf:

@@ -38,14 +38,16 @@ def check_ranks(p) -> None:
 
 
 def run_node(p, store, run: str, r: int, node: int, tokens_dir: str, threads: int,
-             on_step: Optional[Callable[[int], None]] = None, checkpoint: bool = False) -> NodeReport:
+             on_step: Optional[Callable[[int], None]] = None, checkpoint: bool = False,
+             from_checkpoint: bool = False) -> NodeReport:
     """The node's round; its report (what node_round returns)."""
     from spes.data.tokens import TokenData
     from spes.round.node import node_round
     from spes.run.records import NodeReport
 
     if p.orchestration.gpus_per_node == 1:
-        return node_round(p, store, run, r, node, TokenData.open(tokens_dir), on_step=on_step, checkpoint=checkpoint)
+        return node_round(p, store, run, r, node, TokenData.open(tokens_dir), on_step=on_step, checkpoint=checkpoint,
+                          from_checkpoint=from_checkpoint)
     check_ranks(p)
     from pipelines.request import NodeRequest
     from spes.config.loader import to_dict
@@ -55,7 +57,8 @@ def run_node(p, store, run: str, r: int, node: int, tokens_dir: str, threads: in
     with tempfile.TemporaryDirectory(prefix=f"spes-node{node}-r{r}-") as tmp:
         cmd, out = os.path.join(tmp, "cmd.json"), os.path.join(tmp, "out.json")
         with open(cmd, "w") as f:
-            json.dump({"request": NodeRequest(to_dict(p), run, r, node, checkpoint, tokens_dir=tokens_dir).to_json(),
+            json.dump({"request": NodeRequest(to_dict(p), run, r, node, checkpoint, tokens_dir=tokens_dir,
+                                                   from_checkpoint=from_checkpoint).to_json(),
                        "threads": max(1, threads // g)}, f)
         env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         rc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={g}",
@@ -91,7 +94,7 @@ def rank_main(cmd_path: str, out_path: str) -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         meta = node_round(p, Store.from_config(p.storage), req.run, req.round, node, TokenData.open(req.tokens_dir),
-                          checkpoint=req.checkpoint)
+                          checkpoint=req.checkpoint, from_checkpoint=req.from_checkpoint)
         if dist.get_rank() == 0:
             with open(out_path + ".part", "w") as f:
                 json.dump(meta.to_json(), f)

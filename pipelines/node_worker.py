@@ -70,7 +70,7 @@ def run_request(req, nodes_here: Optional[int], faults):
     r, node, run = req.round, req.node, req.run
     store = Store.from_config(p.storage)
     meta = run_node(p, store, run, r, node, tokens_folder(p, store, req), threads, on_step=faults.hook(run, r, node),
-                    checkpoint=req.checkpoint)
+                    checkpoint=req.checkpoint, from_checkpoint=req.from_checkpoint)
     faults.after_commit(run, r, node, store.path(RunLayout(run).node_dir(r, node)))
     return meta
 

@@ -21,6 +21,8 @@ class NodeRequest:
     """Key of the token shards on shared storage (deployments), or None: the local artifacts."""
     tokens_dir: Optional[str] = None
     """The node's local folder of token shards, where the sender already has one (torchrun ranks)."""
+    from_checkpoint: bool = False
+    """The node's state is on a machine that was lost: continue from its latest checkpoint on shared storage."""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -29,11 +31,11 @@ class NodeRequest:
     def from_json(cls, d: dict) -> "NodeRequest":
         try:
             return cls(dict(d["params"]), str(d["run"]), int(d["round"]), int(d["node"]), bool(d.get("checkpoint")),
-                       d.get("tokens"), d.get("tokens_dir"))
+                       d.get("tokens"), d.get("tokens_dir"), bool(d.get("from_checkpoint")))
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"not a node request ({type(e).__name__}: {e})") from None
 
     def deployment_parameters(self) -> dict:
         """The `spes-node` flow's parameters (pipelines/node_flow.py)."""
         return {"params": self.params, "run": self.run, "r": self.round, "node": self.node, "tokens": self.tokens,
-                "checkpoint": self.checkpoint}
+                "checkpoint": self.checkpoint, "from_checkpoint": self.from_checkpoint}

@@ -92,19 +92,54 @@ class RoundInputs:
     local: NodeStateDir
 
 
-def read_inputs(p: Params, store: Store, run: str, r: int, node: int) -> RoundInputs:
+_SWEPT: set = set()
+"""(storage, run, run id, node) whose machine folder this process has cleaned of other runs' states."""
+
+
+def run_is_done_for(store: Store, name: str, id12: str, node: int) -> bool:
+    """Whether storage holds all a resume of run `name` (run id starting `id12`) needs from node `node`: the run
+    is gone or started anew, or its latest global is its last (schedule over) with this node's state
+    checkpointed. A storage error says no (nothing is removed on doubt)."""
+    try:
+        run = Run(store, name)
+        info = run.info()
+        if info is None:  # gone from storage (or never there): nothing to resume
+            return not run.committed_rounds()
+        if not info["run_id"].startswith(id12):  # started anew under the same name
+            return True
+        latest = run.latest_round()
+        if latest is None:
+            return False
+        meta = run.global_meta(latest)
+    except Exception:
+        return False
+    ref = meta.node_states.get(node)
+    return bool(meta.total_steps) and meta.step >= meta.total_steps and (ref is None or ref.checkpoint)
+
+
+def read_inputs(p: Params, store: Store, run: str, r: int, node: int, from_checkpoint: bool = False) -> RoundInputs:
     """Rank 0: global r-1 (rebuilt from the deltas since the global held here, or downloaded) and the node's
-    state that global was built with (from this machine, or the checkpoint on shared storage)."""
+    state that global was built with (from this machine, or the checkpoint on shared storage). With
+    `from_checkpoint` (its machine was lost), a state that is neither here nor checkpointed is replaced by the
+    node's latest checkpointed one (its optimizer state, residual and data position of then)."""
     layout = RunLayout(run)
     info = Run(store, run).info()
     if info is None:
         raise ProtocolError(f"run {run!r} has no info on {store.url}")
     local = NodeStateDir(node_state_root(p), store.url, run, info["run_id"], node)
-    for gone in local.remove_superseded():  # this machine keeps no state of runs nobody can resume
-        log.info("node %d: removed the state of a superseded run: %s", node, gone)
+    if (store.url, run, info["run_id"], node) not in _SWEPT:  # once per run and node process, not every round
+        for gone in local.remove_stale(lambda name, id12: run_is_done_for(store, name, id12, node)):
+            log.info("node %d: removed the local state of a superseded or finished run: %s", node, gone)
+        _SWEPT.add((store.url, run, info["run_id"], node))
     prev_manifest = store.read_manifest(layout.global_dir(r - 1))
     prev_meta = GlobalMeta.from_json(prev_manifest["meta"], f"{store.url}/{layout.global_dir(r - 1)}")
     ref = prev_meta.node_states.get(node)
+    if from_checkpoint and ref is not None and not ref.checkpoint and not local.has_state(ref):
+        k, ref_k = Run(store, run).last_checkpointed_state(node, ref.round)
+        log.warning("node %d round %d: its state after round %d is on a lost machine; continuing from its "
+                    "checkpoint of round %d (optimizer state, residual and data position of then; the model is "
+                    "global %d)", node, r, ref.round, k, r - 1)
+        ref = ref_k
     local.discard_after(ref.round if ref else 0)
     state = local.load_state(ref, store, layout.state_dir(ref.round, node)) if ref else None
     codec = make_codec(p.sync.codec, p.sync.int8_block)
@@ -235,7 +270,8 @@ def _log_progress(node: int, r: int, done: int, steps: int, loss: float, tokens:
 
 
 def node_round(p: Params, store: Store, run: str, r: int, node: int, data: TokenData,
-               on_step: Optional[Callable[[int], None]] = None, checkpoint: bool = False) -> Optional[NodeReport]:
+               on_step: Optional[Callable[[int], None]] = None, checkpoint: bool = False,
+               from_checkpoint: bool = False) -> Optional[NodeReport]:
     """Node `node`'s part of round r: read its inputs, train `sync_steps` local steps, commit its upload;
     returns its report.
 
@@ -247,7 +283,7 @@ def node_round(p: Params, store: Store, run: str, r: int, node: int, data: Token
     if broadcast_object(done is not None):  # a retry after the node already finished
         return done
     read0, written0 = store.bytes_read, store.bytes_written
-    inputs = read_inputs(p, store, run, r, node) if lead else None
+    inputs = read_inputs(p, store, run, r, node, from_checkpoint) if lead else None
     prev, model_config, optim, position = _share(inputs, shards_node(p.spes.node_parallel))
     t = train(p, r, node, data, prev, model_config, optim, position, on_step)
     trained, optim = t.trainer.upload(), t.trainer.optimizer_tensors()  # every rank: gathers under fsdp

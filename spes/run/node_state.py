@@ -20,7 +20,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -147,19 +147,23 @@ class NodeStateDir:
             if name.isdigit() and int(name) < r:
                 self.local.remove(f"rounds/{name}")
 
-    def remove_superseded(self) -> list[str]:
-        """Remove this node's folders of earlier runs of the same name (another run id: superseded or started
-        anew); nothing can resume from them. Returns what was removed."""
+    def remove_stale(self, finished: Callable[[str, str], bool]) -> list[str]:
+        """Remove this node's folders of other runs on this storage that nobody can resume from here: earlier
+        runs of the same name (another run id: superseded or started anew), and runs for which
+        `finished(run, run_id_prefix)` says storage holds all a resume needs (the run ended with this node's
+        state checkpointed, or is gone). Returns what was removed."""
         parent, mine = os.path.split(os.path.dirname(self.path))  # <root>/<storage key>, <run>-<id>
-        other_ids = re.compile(re.escape(self.run) + r"-[0-9a-f]{12}")
+        same_name = re.compile(re.escape(self.run) + r"-[0-9a-f]{12}")
         removed = []
         for name in sorted(os.listdir(parent)) if os.path.isdir(parent) else []:
-            if name == mine or not other_ids.fullmatch(name) or not os.path.isdir(os.path.join(parent, name)):
-                continue
             node_dir = os.path.join(parent, name, f"node-{self.node:03d}")
-            if os.path.isdir(node_dir):
-                shutil.rmtree(node_dir, ignore_errors=True)
-                removed.append(node_dir)
+            run, _, run_id = name.rpartition("-")
+            if name == mine or not os.path.isdir(node_dir) or not re.fullmatch(r"[0-9a-f]{12}", run_id):
+                continue
+            if not same_name.fullmatch(name) and not finished(run, run_id):
+                continue
+            shutil.rmtree(node_dir, ignore_errors=True)
+            removed.append(node_dir)
             if not os.listdir(os.path.join(parent, name)):
                 os.rmdir(os.path.join(parent, name))
         return removed

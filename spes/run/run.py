@@ -203,6 +203,23 @@ class Run:
                 index = next_index(index, q, meta.node_states if q == r else self.node_states(q))
         return index or RunIndex()
 
+    def last_checkpointed_state(self, node: int, at_or_before: int) -> tuple[int, Optional[StateRef]]:
+        """(K, ref): the latest round K <= at_or_before from which a resume needs nothing but shared storage
+        (the run's index) and whose global still names `node`'s checkpointed state `ref` (None: K is 0, or the
+        node had no state yet: it starts fresh)."""
+        latest = self.latest_round()
+        index = self.index(latest) if latest is not None else RunIndex()
+        for k in sorted((k for k in index.storage_resumable if k <= at_or_before), reverse=True):
+            if k == 0:
+                return 0, None
+            try:
+                ref = self.global_meta(k).node_states.get(node)
+            except (NotCommitted, IntegrityError):  # retired: an older one
+                continue
+            if ref is None or self._checkpointed(node, ref):
+                return k, ref
+        return 0, None
+
     def _checkpointed(self, node: int, ref: StateRef) -> bool:
         return ref.checkpoint and self.store.is_committed(self.layout.state_dir(ref.round, node))
 

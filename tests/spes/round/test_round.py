@@ -201,6 +201,18 @@ def test_node_state_is_the_one_the_global_was_built_with(tmp_path, data):
         node_round(p, run.store, "r", 4, 0, data)
     assert not run.store.exists(run.layout.node_dir(4, 0))
 
+    # its machine lost, node 0 may continue elsewhere from its latest checkpoint (round 2), saying so
+    from spes.round.node import read_inputs
+
+    inputs = read_inputs(p, run.store, "r", 4, 0, from_checkpoint=True)
+    assert (inputs.state.round, inputs.state.digest) == (2, run.global_meta(2).node_states[0].digest)
+    assert inputs.state.source.startswith(run.store.url) and inputs.prev_sha == \
+        run.store.read_manifest(run.layout.global_dir(3))["files"][MODEL_FILE]["sha256"]  # the model: global 3
+    assert read_inputs(p, run.store, "r", 4, 1, from_checkpoint=True).state.round == 3  # node 1 has its own
+    assert run.last_checkpointed_state(0, 1) == (0, None)  # before any checkpoint: a fresh state
+    node_round(p, run.store, "r", 4, 0, data, from_checkpoint=True)
+    assert run.store.exists(run.layout.node_dir(4, 0))
+
 
 def test_non_finite_loss_stops_the_node_and_commits_nothing(tmp_path, data):
     p = make_params(tmp_path)
@@ -224,3 +236,31 @@ def test_loss_settings_come_from_the_runs_params_not_round_zeros_config(tmp_path
         node_round(p, run.store, "r", 1, 0, data)
         shas.append(run.store.read_manifest(run.layout.node_dir(1, 0))["files"]["shared.safetensors"]["sha256"])
     assert shas[0] != shas[1]
+
+
+def test_a_finished_runs_local_state_goes_when_the_machine_next_serves_another_run(tmp_path, data):
+    import os
+
+    p = make_params(tmp_path)
+    p.spes.rounds = 2
+    store = Store.from_config(p.storage)
+    runs = {}
+    for name in ("done", "open", "next"):
+        torch.manual_seed(0)
+        runs[name] = Run(store, name)
+        runs[name].ensure(settings_fingerprint(p), InitModel.from_state(CausalLM(p.model).canonical_state_dict(),
+                                                                        p.model, "x"))
+    for r in (1, 2):  # "done" to its end (its last round checkpointed, as the flow does); "open" one round
+        for name in ("done", "open")[:1 if r == 2 else 2]:
+            for i in (0, 1):
+                node_round(p, store, name, r, i, data, checkpoint=name == "done" and r == 2)
+            aggregate_round(p, store, name, r)
+    folder = os.path.join(node_state_root(p), os.listdir(node_state_root(p))[0])
+    held = {n: sorted(os.listdir(os.path.join(folder, n))) for n in os.listdir(folder)}
+    assert {n.rsplit("-", 1)[0]: v for n, v in held.items()} == {"done": ["node-000", "node-001"],
+                                                                 "open": ["node-000", "node-001"]}
+    node_round(p, store, "next", 1, 0, data)  # node 0's first round of another run on this machine
+    left = {n.rsplit("-", 1)[0]: sorted(os.listdir(os.path.join(folder, n))) for n in os.listdir(folder)}
+    assert left == {"done": ["node-001"], "open": ["node-000", "node-001"], "next": ["node-000"]}
+    run_resumes = runs["done"].global_meta(2).node_states
+    assert all(ref.checkpoint for ref in run_resumes.values())  # all a resume of "done" needs is on storage

@@ -59,7 +59,7 @@ def test_discard_and_prune(tmp_path):
     assert d.base() == (4, sha) and d.load_base()["w"].tolist() == [0.0, 1.0, 2.0]
 
 
-def test_a_superseded_runs_state_is_removed_and_nothing_else(tmp_path):
+def test_a_superseded_or_finished_runs_state_is_removed_and_nothing_else(tmp_path):
     from spes.run.node_state import NodeStateDir
 
     old = NodeStateDir(str(tmp_path), "url", "r", "a" * 32, 0)
@@ -69,6 +69,10 @@ def test_a_superseded_runs_state_is_removed_and_nothing_else(tmp_path):
         d.save_base(1, {"w": torch.zeros(2)})
     new = NodeStateDir(str(tmp_path), "url", "r", "c" * 32, 0)
     new.save_base(1, {"w": torch.zeros(2)})
-    assert new.remove_superseded() == [old.path]
+    asked = []
+    assert new.remove_stale(lambda run, id12: asked.append((run, id12)) or False) == [old.path]
     assert not os.path.exists(old.path) and os.path.exists(other_node.path)  # node 1 is another machine's business
     assert os.path.exists(other_run.path) and new.base() is not None
+    assert asked == [("r2", "b" * 12)]  # the other run's fate is storage's to say
+    assert new.remove_stale(lambda run, id12: run == "r2") == [other_run.path]
+    assert not os.path.exists(os.path.dirname(other_run.path)) and new.base() is not None
