@@ -26,6 +26,18 @@ def parse(description: str, stages: tuple[str, ...] = ()) -> tuple[argparse.Name
         raise SystemExit(2)
 
 
+TIMING_KEYS = ("seconds", "encode_seconds", "tokens_per_s", "round_wall_s_mean", "heldout_s_mean",
+               "orchestration_overhead")
+"""Wall-clock figures: they change on every run and machine, so they go to timings.json, not into the metrics
+that `dvc metrics diff` and `dvc exp show` compare."""
+
+
+def write_metrics(folder: str, values: dict) -> None:
+    """A stage's numbers: metrics.json (compared across experiments) and timings.json (the wall-clock ones)."""
+    write_json(os.path.join(folder, "metrics.json"), {k: v for k, v in values.items() if k not in TIMING_KEYS})
+    write_json(os.path.join(folder, "timings.json"), {k: v for k, v in values.items() if k in TIMING_KEYS})
+
+
 def out_dir(p: Params, name: str) -> str:
     d = os.path.join(p.artifacts_dir, name)
     os.makedirs(d, exist_ok=True)

@@ -6,7 +6,7 @@
         every window), tokens, per-node trainable params and memory, bytes on the wire per node per round,
         wall time, the held-out curve
     python -m stages.compare report [--dir DIR]
-        DIR/report.md, report.csv, heldout_curves.csv (dvc plots) from DIR/runs/<cell>/result.json (DIR:
+        DIR/report.md, report.csv, heldout_curves.csv (dvc plots) and .svg (offline) from DIR/runs/<cell>/result.json (DIR:
         artifacts/compare), and the table as a Prefect markdown artifact
 """
 from __future__ import annotations
@@ -112,7 +112,15 @@ def report(a) -> None:
         w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
         w.writeheader()
         w.writerows(summary["rows"])
-    _write_curves(os.path.join(out, "heldout_curves.csv"), summary["rows"], results)
+    curves = _write_curves(os.path.join(out, "heldout_curves.csv"), summary["rows"], results)
+    from spes.eval.svg_plot import line_plot_svg
+
+    series: dict[str, list] = {}
+    for point in curves:
+        series.setdefault(point["series"], []).append((point["tokens"], point["heldout_loss"]))
+    with open(os.path.join(out, "heldout_curves.svg"), "w") as f:  # opens offline, unlike `dvc plots show`
+        f.write(line_plot_svg(series, "held-out loss vs tokens (mean over seeds, best lr)", "tokens",
+                              "held-out loss"))
     prefect_env_defaults()
     from pipelines.prefect_api import prefect_api
 
@@ -123,7 +131,7 @@ def report(a) -> None:
     print(md)
 
 
-def _write_curves(path: str, rows: list[dict], results: list[dict]) -> None:
+def _write_curves(path: str, rows: list[dict], results: list[dict]) -> list[dict]:
     """Held-out loss vs tokens of each reported (best-lr) variant, mean over seeds, long format for dvc plots."""
     out = []
     for row in rows:
@@ -136,6 +144,7 @@ def _write_curves(path: str, rows: list[dict], results: list[dict]) -> None:
         w = csv.DictWriter(f, fieldnames=["series", "tokens", "heldout_loss"])
         w.writeheader()
         w.writerows(out)
+    return out
 
 
 def main() -> None:

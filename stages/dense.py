@@ -1,7 +1,7 @@
 """DVC stage `dense`: short dense pre-training whose HF checkpoint `upcycle` consumes.
 
 Runs only when init.mode=upcycle and no init.dense_checkpoint is named; otherwise records that it was skipped.
-Reads artifacts/tokens; writes artifacts/dense/hf (a Hugging Face checkpoint) and artifacts/dense/metrics.json.
+Reads artifacts/tokens; writes artifacts/dense/hf (a Hugging Face checkpoint), artifacts/dense/metrics.json and timings.json.
 Example: python -m stages.dense dense.steps=300
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 import shutil
 import time
 
-from stages.common import out_dir, parse, run, write_json
+from stages.common import out_dir, parse, run, write_metrics
 
 
 def main() -> None:
@@ -21,7 +21,7 @@ def main() -> None:
     if p.init.mode != "upcycle" or p.init.dense_checkpoint is not None:
         shutil.rmtree(hf_dir, ignore_errors=True)
         os.makedirs(hf_dir)  # the stage's out, empty: upcycle reads init.dense_checkpoint (or starts from scratch)
-        write_json(os.path.join(d, "metrics.json"), {"skipped": True})
+        write_metrics(d, {"skipped": True})
         print("dense: skipped (init.mode is not upcycle, or init.dense_checkpoint is given)")
         return
     import torch
@@ -56,8 +56,8 @@ def main() -> None:
     arch = {"auto": None}.get(p.dense.export_arch, p.dense.export_arch)
     shutil.rmtree(hf_dir, ignore_errors=True)
     export_hf(model, hf_dir, hf_tokenizer(os.path.join(p.artifacts_dir, "tokens", "tokenizer.json")), arch)
-    write_json(os.path.join(d, "metrics.json"), {"skipped": False, "steps": p.dense.steps, "seconds": round(secs, 2),
-                                                  "heldout_loss_before": before, "heldout_loss_after": after})
+    write_metrics(d, {"skipped": False, "steps": p.dense.steps, "seconds": round(secs, 2),
+                      "heldout_loss_before": before, "heldout_loss_after": after})
     print(f"dense: {p.dense.steps} steps in {secs:.1f}s, held-out loss {before:.4f} -> {after:.4f}; HF model at {hf_dir}")
 
 

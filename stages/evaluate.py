@@ -3,7 +3,8 @@ of held-out loss per round from the round records, HF export with the tokenizer 
 optional lm-eval tasks.
 
 Reads the run's committed rounds on shared storage and artifacts/tokens; writes artifacts/eval/metrics.json,
-heldout_loss.csv, node_loss.csv and hf/ (the exported model with its tokenizer).
+heldout_loss.csv, node_loss.csv, the same curves as SVG pictures (heldout_loss.svg, node_loss.svg: they open
+offline, where `dvc plots show` needs its CDN) and hf/ (the exported model with its tokenizer).
 Example: python -m stages.evaluate eval.batches=50
 """
 from __future__ import annotations
@@ -23,6 +24,21 @@ def _write_csv(path: str, rows: list[dict]) -> None:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
+
+
+def _write_svgs(d: str, per_round: list[dict], node_rows: list[dict]) -> None:
+    """The two plots as SVG files beside their CSVs (`dvc plots show` needs a CDN; these open offline)."""
+    from spes.eval.svg_plot import line_plot_svg
+
+    plots = {"heldout_loss.svg": ({"held-out loss": [(r["step"], r["heldout_loss"]) for r in per_round]},
+                                  "held-out loss per round", "step", "held-out loss"),
+             "node_loss.svg": ({f"node {n}": [(r["round"], r["train_loss"]) for r in node_rows if r["node"] == n]
+                                for n in sorted({r["node"] for r in node_rows})},
+                               "train loss per round, per node", "round", "mean train loss")}
+    for name, (series, title, xlabel, ylabel) in plots.items():
+        with open(os.path.join(d, name), "w") as f:
+            f.write(line_plot_svg(series, title, xlabel, ylabel,
+                                  "no held-out evaluation during the rounds (eval.every_rounds: 0)"))
 
 
 def main() -> None:
@@ -80,6 +96,7 @@ def main() -> None:
     write_json(os.path.join(d, "metrics.json"), metrics)
     _write_csv(os.path.join(d, "heldout_loss.csv"), per_round)
     _write_csv(os.path.join(d, "node_loss.csv"), node_rows)
+    _write_svgs(d, per_round, node_rows)
     print(f"evaluate: {metrics}")
 
 

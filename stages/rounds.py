@@ -4,14 +4,15 @@
     python -m stages.rounds train      the remaining rounds, from warmup's last committed round
 
 Reads artifacts/init (the upcycle stage's model) and artifacts/tokens; writes the rounds on shared storage
-(storage.url) and artifacts/<stage>/summary.json (what was computed) and metrics.json (timings, traffic).
+(storage.url) and artifacts/<stage>/summary.json (what was computed), metrics.json (traffic, counts) and timings.json
+(wall-clock figures, kept out of the compared metrics).
 Example: python -m stages.rounds train spes.rounds=12
 """
 from __future__ import annotations
 
 import os
 
-from stages.common import out_dir, prefect_env_defaults, run, write_json
+from stages.common import out_dir, prefect_env_defaults, run, write_json, write_metrics
 
 
 def main() -> None:
@@ -66,7 +67,7 @@ def main() -> None:
         values = list(values)
         return sum(values) / len(values) if values else 0.0
 
-    # metrics.json (cache: false): timings and traffic; a rerun after later rounds exist still describes this
+    # metrics.json and timings.json (cache: false): traffic and counts, timings apart; a rerun after later rounds exist still describes this
     # stage's rounds (storage_bytes: the run now)
     metrics = {"last_round": stage_last, "rounds_recorded": len(rounds), "rounds_run_now": out["rounds_run"],
                "round_wall_s_mean": mean(walls), "heldout_s_mean": mean(rec.heldout_s for rec in rounds),
@@ -76,7 +77,7 @@ def main() -> None:
                "storage_bytes": run.store.size_of(run.layout.base)}
     d = out_dir(p, stage)
     write_json(os.path.join(d, "summary.json"), summary)
-    write_json(os.path.join(d, "metrics.json"), metrics)
+    write_metrics(d, metrics)
     print(f"{stage}: {metrics}")
 
 

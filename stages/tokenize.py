@@ -4,7 +4,7 @@ The output is written into a temporary folder beside `artifacts/tokens` and swap
 so an interrupted or failed run leaves the previous tokens (and their tokenizer) as they were.
 
 Reads the corpus (tokenize.corpus / tokenize.dataset; the Python stdlib's source by default); writes
-artifacts/tokens (shards, meta.json, tokenizer.json) and artifacts/tokenize/metrics.json.
+artifacts/tokens (shards, meta.json, tokenizer.json), artifacts/tokenize/metrics.json and timings.json.
 Example: python -m stages.tokenize tokenize.corpus='data/*.jsonl.gz'
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 
-from stages.common import out_dir, parse, run, write_json
+from stages.common import out_dir, parse, run, write_metrics
 
 
 def main() -> None:
@@ -38,7 +38,7 @@ def main() -> None:
         replace_folder(work, final)  # only a complete folder replaces the old one
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    write_json(os.path.join(out_dir(p, "tokenize"), "metrics.json"), stats)
+    write_metrics(out_dir(p, "tokenize"), stats)
     skipped = f", {len(corpus.bad_files)} unreadable files skipped" if corpus.bad_files else ""
     print(f"tokenize: {stats['documents']} documents from {corpus.files} files{skipped}: {stats['train_tokens']} "
           f"train / {stats['val_tokens']} held-out tokens ({stats['val_documents']} documents) in "

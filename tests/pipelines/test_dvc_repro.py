@@ -57,10 +57,14 @@ def test_dvc_repro_end_to_end(tmp_path):
     assert json.load(open(proj / "artifacts/init/metrics.json"))["max_abs_logit_diff_vs_dense"] < 1e-4
     for stage in ("warmup", "train"):
         assert json.load(open(proj / f"artifacts/{stage}/metrics.json"))["rounds_recorded"] == 1
+        assert json.load(open(proj / f"artifacts/{stage}/timings.json"))["round_wall_s_mean"] > 0
+    for stage in ("tokenize", "dense", "warmup", "train"):  # wall-clock figures are not compared as metrics
+        metrics = json.load(open(proj / f"artifacts/{stage}/metrics.json"))
+        assert not [k for k in metrics if "seconds" in k or k.endswith(("_s", "_s_mean", "_per_s", "overhead"))]
     again = subprocess.run(dvc + ["repro"], cwd=proj, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "didn't change" in again.stdout + again.stderr
     # a forced re-run finds its rounds committed: it runs none, reports the committed ones, and its out is
-    # byte for byte the same (timings live in metrics.json), so nothing downstream is stale
+    # byte for byte the same (timings live in timings.json), so nothing downstream is stale
     before = (proj / "artifacts/train/summary.json").read_bytes()
     assert json.load(open(proj / "artifacts/train/metrics.json"))["rounds_run_now"] == [2]
     forced = subprocess.run(dvc + ["repro", "-f", "-s", "train"], cwd=proj, env=env, capture_output=True,
@@ -69,7 +73,7 @@ def test_dvc_repro_end_to_end(tmp_path):
     assert json.load(open(proj / "artifacts/train/metrics.json"))["rounds_run_now"] == []
     assert (proj / "artifacts/train/summary.json").read_bytes() == before
     # re-tokenizing the same corpus, re-training the same dense model give the same bytes (timings live in
-    # the metrics files, outside the outs): every stage after them stays up to date
+    # timings.json, outside the outs the later stages read): every stage after them stays up to date
     for forced in ("tokenize", "dense"):
         res = subprocess.run(dvc + ["repro", "-f", "-s", forced], cwd=proj, env=env, capture_output=True, text=True,
                              timeout=300)
@@ -101,3 +105,11 @@ def test_dvc_repro_end_to_end(tmp_path):
     node_loss = json.loads(plots.stdout)["data"]["artifacts/eval/node_loss.csv"][0]["content"]
     assert node_loss["encoding"]["color"]["field"] == "node"  # one line per node, not one zig-zag
     assert {v["node"] for v in node_loss["data"]["values"]} == {"0", "1"}
+    # the same plots as SVG pictures that open offline: a line per node, a line per compared variant
+    import xml.etree.ElementTree as ET
+
+    def series(svg):
+        return [p.get("data-series") for p in ET.parse(proj / svg).getroot().iter("{http://www.w3.org/2000/svg}polyline")]
+
+    assert series("artifacts/eval/node_loss.svg") == ["node 0", "node 1"]
+    assert sorted(series("artifacts/compare/heldout_curves.svg")) == ["centralized (1x)", "spes (1x)"]
