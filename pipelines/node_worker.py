@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+import threading
 from typing import Optional
 
 RESULT = "RESULT "
@@ -72,7 +73,29 @@ def run_request(req, nodes_here: Optional[int], faults):
     meta = run_node(p, store, run, r, node, tokens_folder(p, store, req), threads, on_step=faults.hook(run, r, node),
                     checkpoint=req.checkpoint, from_checkpoint=req.from_checkpoint)
     faults.after_commit(run, r, node, store.path(RunLayout(run).node_dir(r, node)))
+    if r == p.spes.rounds:  # the run's last round: its local state goes once the run's last global is committed
+        threading.Thread(target=_forget_when_finished, args=(p, store, run, node), daemon=True).start()
     return meta
+
+
+def _forget_when_finished(p, store, run: str, node: int) -> None:
+    """Wait (up to the round timeout) for the run's last global, then remove this machine's copy of the
+    node's state: the last round checkpoints it on shared storage, where a resume or an extension reads it."""
+    import time
+
+    from spes.round.node import forget_finished_run
+
+    deadline = time.time() + p.orchestration.round_timeout_s
+    while time.time() < deadline:
+        try:
+            gone = forget_finished_run(p, store, run, node)
+        except Exception as e:  # storage unreachable: keep the state, say why
+            logging.getLogger("spes").warning("node %d: could not check whether run %s finished: %s", node, run, e)
+            return
+        if gone:
+            logging.getLogger("spes").info("node %d: run %s finished; removed its local state %s", node, run, gone)
+            return
+        time.sleep(2.0)
 
 
 def serve() -> int:

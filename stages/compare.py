@@ -121,6 +121,14 @@ def report(a) -> None:
     with open(os.path.join(out, "heldout_curves.svg"), "w") as f:  # opens offline, unlike `dvc plots show`
         f.write(line_plot_svg(series, "held-out loss vs tokens (mean over seeds, best lr)", "tokens",
                               "held-out loss"))
+    if summary["frontier"]:  # variants syncing at different intervals: loss against traffic, a line per method
+        lines: dict[str, list] = {}
+        for f_ in summary["frontier"]:
+            lines.setdefault(f"{f_['method']} ({f_['budget']}x)", []).append(
+                (f_["bytes_per_node_per_token"], f_["heldout_loss_mean"]))
+        with open(os.path.join(out, "frontier.svg"), "w") as f:
+            f.write(line_plot_svg(lines, "held-out loss against bytes per node per token (points: sync_steps)",
+                                  "bytes on the wire per node per training token", "held-out loss"))
     prefect_env_defaults()
     from pipelines.prefect_api import prefect_api
 

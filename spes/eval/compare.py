@@ -194,7 +194,29 @@ def summarize(p: Params, results: list[dict]) -> dict:
             diffs = [a[k] - b[k] for k in sorted(set(a) & set(b))]
             if diffs:
                 merge[budget] = _mean_std(diffs) + (len(diffs),)
-    return {"rows": rows, "sweep": {f"{v}|{b}|{lr}": ms for (v, b, lr), ms in sorted(sweep.items())}, "merge": merge}
+    return {"rows": rows, "sweep": {f"{v}|{b}|{lr}": ms for (v, b, lr), ms in sorted(sweep.items())}, "merge": merge,
+            "frontier": frontier(p, rows)}
+
+
+def frontier(p: Params, rows: list[dict]) -> list[dict]:
+    """Held-out loss against communication, when the variants sync at different intervals: per summary row of
+    a method with several nodes, its sync interval and the bytes each node moves (up and down) per training
+    token it sees (bytes per node per round x rounds / tokens per node). Empty with one interval."""
+    out = []
+    for r in rows:
+        vp = variant_params(p, r["variant"], budget=r["budget"])
+        method = sync_method(vp.spes)
+        if method.nodes < 2:  # one node: nothing between nodes to trade against
+            continue
+        out.append({"variant": r["variant"], "budget": r["budget"], "method": vp.spes.method,
+                    "sync_steps": vp.spes.sync_steps, "heldout_loss_mean": r["heldout_loss_mean"],
+                    "heldout_loss_std": r["heldout_loss_std"], "seeds": r["seeds"],
+                    "diff_to_baseline": r["diff_to_baseline"], "diff_to_baseline_se": r["diff_to_baseline_se"],
+                    "bytes_per_node_per_token": r["bytes_per_node_per_round"] * vp.spes.rounds
+                    / (r["tokens"] / method.nodes)})
+    if len({x["sync_steps"] for x in out}) < 2:
+        return []
+    return sorted(out, key=lambda x: (x["budget"], x["method"], x["sync_steps"]))
 
 
 def _fmt_bytes(n: Optional[float]) -> str:
@@ -228,6 +250,18 @@ def report_markdown(p: Params, summary: dict) -> str:
                 "| budget | mean difference | std | pairs |", "|---|---|---|---|"]
         for budget, (mean, std, n) in sorted(summary["merge"].items()):
             out.append(f"| {budget}x | {mean:+.4f} | {std:.4f} | {n} |")
+    if summary.get("frontier"):
+        out += ["\n## Sync interval: held-out loss against bytes on the wire (frontier.svg)\n",
+                "Bytes each node moves (uploads and downloads) per training token it sees; fewer local steps per "
+                "round buy a lower loss with more traffic.\n",
+                f"| method | budget | sync_steps | seeds | held-out loss | minus {c.baseline} (paired SE) | "
+                "bytes / node / token |", "|---|---|---|---|---|---|---|"]
+        for f in summary["frontier"]:
+            paired = "-" if f["diff_to_baseline"] is None else \
+                f"{f['diff_to_baseline']:+.4f} ({f['diff_to_baseline_se']:.4f})"
+            out.append(f"| {f['method']} | {f['budget']}x | {f['sync_steps']} | {f['seeds']} | "
+                       f"{f['heldout_loss_mean']:.4f} +- {f['heldout_loss_std']:.4f} | {paired} | "
+                       f"{f['bytes_per_node_per_token']:.1f} |")
     out += ["\n## Learning-rate sweep (mean held-out loss over seeds)\n", "| variant | budget | lr | loss | std |",
             "|---|---|---|---|---|"]
     for k, (mean, std) in summary["sweep"].items():

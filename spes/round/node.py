@@ -117,6 +117,18 @@ def run_is_done_for(store: Store, name: str, id12: str, node: int) -> bool:
     return bool(meta.total_steps) and meta.step >= meta.total_steps and (ref is None or ref.checkpoint)
 
 
+def forget_finished_run(p: Params, store: Store, run: str, node: int) -> Optional[str]:
+    """This machine's state of `node` in `run`, removed once storage holds all a resume needs (the run's last
+    global committed with this node's state checkpointed: `run_is_done_for`); its path, or None if kept."""
+    info = Run(store, run).info()
+    if info is None:
+        return None
+    local = NodeStateDir(node_state_root(p), store.url, run, info["run_id"], node)
+    if not os.path.isdir(local.path) or not run_is_done_for(store, run, info["run_id"][:12], node):
+        return None
+    return local.remove_all()
+
+
 def read_inputs(p: Params, store: Store, run: str, r: int, node: int, from_checkpoint: bool = False) -> RoundInputs:
     """Rank 0: global r-1 (rebuilt from the deltas since the global held here, or downloaded) and the node's
     state that global was built with (from this machine, or the checkpoint on shared storage). With

@@ -168,6 +168,14 @@ class NodeStateDir:
                 os.rmdir(os.path.join(parent, name))
         return removed
 
+    def remove_all(self) -> str:
+        """Remove this node's folder of this run (and the run's folder when no other node of it is here)."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        run_dir = os.path.dirname(self.path)
+        if os.path.isdir(run_dir) and not os.listdir(run_dir):
+            os.rmdir(run_dir)
+        return self.path
+
     # -- the global model this node holds -------------------------------------------------------------
     def base(self) -> Optional[tuple[int, str]]:
         """(round, sha256) of the global model held here, or None."""

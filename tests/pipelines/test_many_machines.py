@@ -128,6 +128,11 @@ class Machine:
                 self.kill()
 
 
+def _states(root, machine: str) -> list:
+    """The node-state folders on a machine (~/.cache/spes/state/<storage>/<run>/node-<i>)."""
+    return list((root / machine / ".cache" / "spes" / "state").glob("*/*/node-*"))
+
+
 def _ready(api: str, names) -> bool:
     for name in names:
         d = _api(api, f"/deployments/name/{name}")
@@ -166,6 +171,7 @@ def test_two_machines_with_one_killed_and_restarted_end_bitwise_equal(cluster, r
             return store.exists(beat) and json.loads(store.read_bytes(beat))["round"] == KILL_ROUND
 
         _wait_for("node 1 in the kill round", b_in_kill_round, 240, [flow])
+        held = {name: sorted(s.name for s in _states(root, name)) for name in ("machine-a", "machine-b")}
         time.sleep(2)  # inside the slow step
         b.kill()
         killed_at = time.time()
@@ -174,6 +180,9 @@ def test_two_machines_with_one_killed_and_restarted_end_bitwise_equal(cluster, r
         rc = flow.wait(timeout=400)
         out = flow_log.read_text()
         assert rc == 0, out[-6000:] + (root / "machine-b.log").read_text()[-4000:]
+        # the run finished (its last round checkpointed every node): the machines drop their copies
+        _wait_for("the node machines to drop the finished run's state",
+                  lambda: not _states(root, "machine-a") and not _states(root, "machine-b"), 30, [a.proc, b.proc])
     finally:
         a.stop()
         b.stop()
@@ -184,10 +193,9 @@ def test_two_machines_with_one_killed_and_restarted_end_bitwise_equal(cluster, r
     rec = run.records(KILL_ROUND, KILL_ROUND)[0]
     assert [n.status for n in rec.nodes] == ["ok", "ok"]
     assert rec.wall_s < 240 and time.time() - killed_at < 240
-    # each machine holds only its own node's state; neither has a checkout's artifacts
-    for name, node in (("machine-a", 0), ("machine-b", 1)):
-        state = list((root / name / ".cache" / "spes" / "state").glob("*/*/node-*"))
-        assert [s.name for s in state] == [f"node-{node:03d}"], state
+    # while it ran each machine held only its own node's state; neither has a checkout's artifacts
+    assert held == {"machine-a": ["node-000"], "machine-b": ["node-001"]}, held
+    for name in ("machine-a", "machine-b"):
         assert not (root / name / "artifacts").exists()
 
 

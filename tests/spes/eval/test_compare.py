@@ -164,3 +164,23 @@ def test_window_documents(tiny_tokens):
     for i in (0, n // 2, n - 1):  # the number of documents ended before the window's first token
         assert docs[i] == int((val[: i * seq] == data.eos_id).sum())
     assert docs == sorted(docs) and docs[-1] >= 1
+
+
+def test_the_sync_interval_frontier_exact_numbers():
+    p = load_params(os.path.join(os.path.dirname(PARAMS_YAML), "configs", "compare-sync.yaml"))
+    resolved = check_matrix(p)  # every interval at equal tokens and equal warm-up steps
+    assert {(v.spes.sync_steps * v.spes.rounds, v.spes.sync_steps * v.spes.warmup_rounds)
+            for v in resolved.values()} == {(500, 200)}
+    p.compare.seeds = [0]
+    results = [_result(v, 0, 0.002, 3.0 + i / 10, bytes_per_node_per_round=1000.0 * (i + 1), tokens=1000)
+               for i, v in enumerate(p.compare.variants)]
+    s = summarize(p, results)
+    front = {f["variant"]: f for f in s["frontier"]}
+    assert "centralized" not in front and len(front) == 8
+    # spes-s10 (index 1): 2000 bytes per round x 50 rounds over 1000 / 2 tokens per node
+    assert front["spes-s10"]["bytes_per_node_per_token"] == 2000.0 * 50 / 500
+    assert front["fedavg-s100"]["sync_steps"] == 100 and front["fedavg-s100"]["method"] == "fedavg"
+    assert [f["sync_steps"] for f in s["frontier"]] == [10, 25, 50, 100, 10, 25, 50, 100]  # fedavg, then spes
+    assert "| spes | 1x | 10 | 1 | 3.1000 +- 0.0000 | - | 200.0 |" in report_markdown(p, s)
+    p.compare.variants = {"spes": [], "fedavg": ["spes.method=fedavg"], "centralized": ["spes.method=centralized"]}
+    assert summarize(p, results[:1] + results[4:5] + results[8:])["frontier"] == []  # one interval: no frontier

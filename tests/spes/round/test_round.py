@@ -264,3 +264,10 @@ def test_a_finished_runs_local_state_goes_when_the_machine_next_serves_another_r
     assert left == {"done": ["node-001"], "open": ["node-000", "node-001"], "next": ["node-000"]}
     run_resumes = runs["done"].global_meta(2).node_states
     assert all(ref.checkpoint for ref in run_resumes.values())  # all a resume of "done" needs is on storage
+    # a node machine does not wait for another run: once the last global is committed, the state goes
+    from spes.round.node import forget_finished_run
+
+    assert forget_finished_run(p, store, "open", 0) is None  # not finished: kept
+    assert forget_finished_run(p, store, "done", 1).endswith("node-001")
+    left = {n.rsplit("-", 1)[0] for n in os.listdir(folder)}
+    assert left == {"open", "next"}  # the finished run's folder is gone with its last node
