@@ -20,6 +20,7 @@ from prefect import get_run_logger
 from pipelines import stopping
 from pipelines.prefect_api import TEMPORARY_API_ENV
 from pipelines.request import NodeRequest
+from pipelines.round_progress import RoundProgress
 from spes.config.loader import to_dict
 from spes.config.schema import Params
 from spes.errors import NodeFailed
@@ -109,6 +110,7 @@ def _run_flow_run(p: Params, run: str, r: int, node: int, timeout_s: float, chec
                                                     parent_task_run_id=task_run.id)  # shown under its node task
         stopping.register(fr.id, f"node {node} round {r}", lambda: _cancel_flow_run(fr.id, _state_of(fr.id)))
         watch, deadline = HeartbeatWatch(store, run, r, node), time.time() + timeout_s
+        progress = RoundProgress.of(run, r)
         beat_every, next_beat = o.heartbeat_timeout_s / 4, 0.0
         t0, waiting_logged = time.monotonic(), False
         try:
@@ -124,6 +126,8 @@ def _run_flow_run(p: Params, run: str, r: int, node: int, timeout_s: float, chec
                     return "timeout", None
                 if time.monotonic() >= next_beat:
                     watch.poll()
+                    if progress is not None and watch.progress is not None:
+                        progress.node_step(node, round(watch.progress * 1000), 1000)
                     next_beat = time.monotonic() + beat_every
                     if not waiting_logged and not (state and state.is_running()) and \
                             time.monotonic() - t0 > min(WAITING_LOG_S, o.heartbeat_timeout_s / 2):

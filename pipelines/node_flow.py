@@ -31,6 +31,7 @@ from prefect import flow, get_run_logger
 from pipelines.node_host import HOST_ENV, host_round
 from pipelines.request import NodeRequest
 from spes.config.loader import params_from_dict
+from spes.round.node import parse_progress
 from spes.run.heartbeat import Heartbeat
 from spes.storage.files import FileStore
 
@@ -46,15 +47,20 @@ def spes_node(params: dict, run: str, r: int, node: int, tokens: Optional[str] =
     store = FileStore.from_config(p.storage)
     req = NodeRequest(params, run, r, node, checkpoint, tokens, from_checkpoint=from_checkpoint)
     logger = get_run_logger()
-    with Heartbeat(store, run, r, node, p.orchestration.heartbeat_timeout_s / 4):
+    with Heartbeat(store, run, r, node, p.orchestration.heartbeat_timeout_s / 4) as beat:
         host = os.environ.get(HOST_ENV)
         if host:  # the machine's warm node process
             from prefect.runtime import flow_run
 
+            def relay(line: str) -> None:  # to the Prefect log; its progress rides on the heartbeat
+                logger.info("node %d | %s", node, line)
+                step = parse_progress(line)
+                if step is not None:
+                    beat.progress = step[2] / step[3]
+
             key = str(flow_run.id)
             try:
-                report = host_round(host, req, lambda line: logger.info("node %d | %s", node, line),
-                                    on_connect=lambda conn: _CONNECTIONS.__setitem__(key, conn))
+                report = host_round(host, req, relay, on_connect=lambda conn: _CONNECTIONS.__setitem__(key, conn))
             finally:
                 _CONNECTIONS.pop(key, None)
         else:  # served without a host (a flow run started by hand): the round in this process

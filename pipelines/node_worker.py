@@ -79,8 +79,9 @@ def run_request(req, nodes_here: Optional[int], faults):
 
 
 def _forget_when_finished(p, store, run: str, node: int) -> None:
-    """Wait (up to the round timeout) for the run's last global, then remove this machine's copy of the
-    node's state: the last round checkpoints it on shared storage, where a resume or an extension reads it."""
+    """Wait (up to the round timeout) for the run's last global, then keep of this machine's copy of the
+    node's state only what a resume from a round still on storage needs (the last round checkpoints every
+    node's state on shared storage, where an extension of the run reads it)."""
     import time
 
     from spes.round.node import forget_finished_run
@@ -93,7 +94,8 @@ def _forget_when_finished(p, store, run: str, node: int) -> None:
             logging.getLogger("spes").warning("node %d: could not check whether run %s finished: %s", node, run, e)
             return
         if gone:
-            logging.getLogger("spes").info("node %d: run %s finished; removed its local state %s", node, run, gone)
+            logging.getLogger("spes").info("node %d: run %s finished; kept of its local state only what a "
+                                           "resume needs: %s", node, run, gone)
             return
         time.sleep(2.0)
 

@@ -27,15 +27,17 @@ from pipelines.deployment_nodes import run_on_deployment
 from pipelines.formatting import fmt_balance, fmt_bytes, fmt_loss, fmt_seconds
 from pipelines.node_pool import POOL
 from pipelines.request import NodeRequest
+from pipelines.round_progress import RoundProgress
 from spes.config.loader import to_dict
 from spes.config.schema import Params
 from spes.errors import retryable
 from spes.round.aggregator import Aggregator
 from spes.round.driver import HeldOutProbe, run_round
-from spes.round.node import committed_report
+from spes.round.node import committed_report, parse_progress
 from spes.run.records import GlobalMeta, NodeReport, RoundRecord
 from spes.run.run import Run
 from spes.storage.store import Store
+from spes.sync.methods import sync_method
 
 
 def artifact_key(*parts: Any) -> str:
@@ -48,8 +50,15 @@ def _run_node_process(p: Params, run: str, r: int, node: int, timeout_s: float,
     """Run the round on the node's long-lived process, relaying its output to the Prefect log."""
     logger = get_run_logger()
     req = NodeRequest(to_dict(p), run, r, node, checkpoint)
-    status, report = POOL.get(node).run_round(req, timeout_s, lambda line: logger.info("node %d | %s", node, line),
-                                              cancelled=stopping.STOPPING.is_set)
+    progress = RoundProgress.of(run, r)
+
+    def relay(line: str) -> None:
+        logger.info("node %d | %s", node, line)
+        step = parse_progress(line)
+        if progress is not None and step is not None:
+            progress.node_step(node, step[2], step[3])
+
+    status, report = POOL.get(node).run_round(req, timeout_s, relay, cancelled=stopping.STOPPING.is_set)
     if status == "cancelled":
         raise stopping.Stopped(f"node {node} round {r}: the orchestrator is stopping")
     return status, report
@@ -73,6 +82,9 @@ def node_task(p: Params, run: str, r: int, node: int, deadline: float, checkpoin
     if status != "ok":
         get_run_logger().warning("node %d missed the round %d deadline", node, r)
         return NodeReport(node, status)
+    progress = RoundProgress.of(run, r)
+    if progress is not None:
+        progress.node_step(node, 1, 1, force=True)
     return report
 
 
@@ -132,6 +144,7 @@ def _node_runner(p: Params, run: str, r: int, deadline: float, tokens_key):
 @task(task_run_name="round-{r}")
 def round_task(p: Params, run: str, r: int, checkpoint: bool = False, tokens_key: Optional[str] = None) -> RoundRecord:
     deadline = time.time() + p.orchestration.round_timeout_s
+    RoundProgress.start(artifact_key(run, "round", r, "progress"), run, r, sync_method(p.spes).nodes)
     aggregate = aggregate_task.with_options(retries=p.storage.retries, retry_delay_seconds=2,
                                             retry_condition_fn=worth_retrying)
     record = run_round(p, Run(Store.from_config(p.storage), run), r, _node_runner(p, run, r, deadline, tokens_key),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -93,40 +94,64 @@ class RoundInputs:
 
 
 _SWEPT: set = set()
-"""(storage, run, run id, node) whose machine folder this process has cleaned of other runs' states."""
+"""(storage, run, run id, node) for which this process has tidied the node's folders of other runs."""
 
 
-def run_is_done_for(store: Store, name: str, id12: str, node: int) -> bool:
-    """Whether storage holds all a resume of run `name` (run id starting `id12`) needs from node `node`: the run
-    is gone or started anew, or its latest global is its last (schedule over) with this node's state
-    checkpointed. A storage error says no (nothing is removed on doubt)."""
+def local_states_to_keep(store: Store, name: str, id12: str, node: int,
+                         window: Optional[int] = None) -> Optional[set[int]]:
+    """Which of `node`'s local states of run `name` (run id starting `id12`) a resume can still need, by what
+    storage says: none when the run is gone or was started anew; for a finished run (its last global, the
+    schedule over, committed), the rounds of the states that the globals still on storage (with `window`,
+    only the last `window` rounds: retention's, which may not have run yet) were built with and that are not
+    checkpointed there; None (keep everything) while the run goes on, or when storage does not answer."""
     try:
         run = Run(store, name)
         info = run.info()
         if info is None:  # gone from storage (or never there): nothing to resume
-            return not run.committed_rounds()
+            return set() if not run.committed_rounds() else None
         if not info["run_id"].startswith(id12):  # started anew under the same name
-            return True
+            return set()
         latest = run.latest_round()
         if latest is None:
-            return False
+            return None
         meta = run.global_meta(latest)
-    except Exception:
-        return False
-    ref = meta.node_states.get(node)
-    return bool(meta.total_steps) and meta.step >= meta.total_steps and (ref is None or ref.checkpoint)
+        if not (meta.total_steps and meta.step >= meta.total_steps):
+            return None
+        keep = set()
+        for r in run.committed_rounds():
+            if window is not None and r <= latest - window:
+                continue
+            ref = (meta if r == latest else run.global_meta(r)).node_states.get(node)
+            if ref is not None and not run.has_checkpointed_state(node, ref):
+                keep.add(ref.round)
+        return keep
+    except Exception:  # nothing is removed on doubt
+        return None
+
+
+def tidy_other_runs(p: Params, store: Store, local: NodeStateDir) -> list[str]:
+    """This node's folders of other runs on this machine: removed when the run is gone or superseded; of a
+    finished run only the states a resume from a round still on storage needs stay. What was tidied."""
+    out = []
+    for name, id12 in local.sibling_runs():
+        keep = local_states_to_keep(store, name, id12, local.node)
+        other = NodeStateDir(node_state_root(p), store.url, name, id12, local.node)
+        if keep is not None and other.keep_only(keep):
+            out.append(other.path)
+    return out
 
 
 def forget_finished_run(p: Params, store: Store, run: str, node: int) -> Optional[str]:
-    """This machine's state of `node` in `run`, removed once storage holds all a resume needs (the run's last
-    global committed with this node's state checkpointed: `run_is_done_for`); its path, or None if kept."""
+    """Once run `run` has finished: this machine keeps only the states of `node` a resume from a round still
+    on storage needs (none when they are all checkpointed); its folder's path when it tidied it, else None."""
     info = Run(store, run).info()
     if info is None:
         return None
     local = NodeStateDir(node_state_root(p), store.url, run, info["run_id"], node)
-    if not os.path.isdir(local.path) or not run_is_done_for(store, run, info["run_id"][:12], node):
+    keep = local_states_to_keep(store, run, info["run_id"][:12], node, p.storage.keep_rounds)
+    if keep is None or not os.path.isdir(local.path) or not local.keep_only(keep):
         return None
-    return local.remove_all()
+    return local.path
 
 
 def read_inputs(p: Params, store: Store, run: str, r: int, node: int, from_checkpoint: bool = False) -> RoundInputs:
@@ -140,8 +165,8 @@ def read_inputs(p: Params, store: Store, run: str, r: int, node: int, from_check
         raise ProtocolError(f"run {run!r} has no info on {store.url}")
     local = NodeStateDir(node_state_root(p), store.url, run, info["run_id"], node)
     if (store.url, run, info["run_id"], node) not in _SWEPT:  # once per run and node process, not every round
-        for gone in local.remove_stale(lambda name, id12: run_is_done_for(store, name, id12, node)):
-            log.info("node %d: removed the local state of a superseded or finished run: %s", node, gone)
+        for tidied in tidy_other_runs(p, store, local):
+            log.info("node %d: tidied the local state of a superseded, finished or gone run: %s", node, tidied)
         _SWEPT.add((store.url, run, info["run_id"], node))
     prev_manifest = store.read_manifest(layout.global_dir(r - 1))
     prev_meta = GlobalMeta.from_json(prev_manifest["meta"], f"{store.url}/{layout.global_dir(r - 1)}")
@@ -273,6 +298,16 @@ def commit(p: Params, store: Store, run: str, r: int, node: int, inputs: RoundIn
     ref = inputs.ref
     local.prune_before(min(ref.round if ref else 0, last_checkpoint_round(r, p.checkpoint.every_rounds)))
     return node_report(manifest, f"{store.url}/{rel}", time.perf_counter() - t2)
+
+
+PROGRESS_LINE = re.compile(r"node (\d+) round (\d+): step (\d+)/(\d+),")
+"""What `_log_progress` writes, read back by whoever relays a node's output (a progress bar of the round)."""
+
+
+def parse_progress(line: str) -> Optional[tuple[int, int, int, int]]:
+    """(node, round, steps done, steps) of a node's progress line, else None."""
+    m = PROGRESS_LINE.search(line)
+    return tuple(int(g) for g in m.groups()) if m else None
 
 
 def _log_progress(node: int, r: int, done: int, steps: int, loss: float, tokens: int, seconds: float) -> None:

@@ -29,12 +29,15 @@ class Heartbeat:
         self.store, self.rel = store, RunLayout(run).heartbeat(node)
         self.r, self.node, self.interval_s = r, node, interval_s
         self.beat = 0
+        self.progress: Optional[float] = None
+        """Share of the round's local steps done, when the node reports it (shown in the round's progress)."""
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
     def write(self) -> None:
         self.beat += 1
-        body = {"round": self.r, "node": self.node, "beat": self.beat, "host": socket.gethostname(), "pid": os.getpid()}
+        body = {"round": self.r, "node": self.node, "beat": self.beat, "host": socket.gethostname(), "pid": os.getpid(),
+                "progress": self.progress}
         try:
             self.store.write_bytes(self.rel, json.dumps(body).encode())
         except (SpesError, OSError) as e:  # a missed beat is not a failed round; a long silence will be noticed
@@ -64,6 +67,8 @@ class HeartbeatWatch:
         self.store, self.rel, self.r = store, RunLayout(run).heartbeat(node), r
         self._last: Optional[bytes] = None
         self._changed = time.monotonic()
+        self.progress: Optional[float] = None
+        """The node's share of the round's local steps done, as its last heartbeat said."""
 
     def poll(self) -> None:
         try:
@@ -71,10 +76,13 @@ class HeartbeatWatch:
         except (SpesError, OSError):  # not written yet, or storage did not answer: no news
             return
         try:
-            if json.loads(body).get("round") != self.r:  # a beat of an earlier round says nothing about this one
+            beat = json.loads(body)
+            if beat.get("round") != self.r:  # a beat of an earlier round says nothing about this one
                 return
         except (ValueError, AttributeError):
             return
+        if isinstance(beat.get("progress"), (int, float)):
+            self.progress = float(beat["progress"])
         if body != self._last:
             self._last, self._changed = body, time.monotonic()
 

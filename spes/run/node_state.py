@@ -20,7 +20,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -147,26 +147,31 @@ class NodeStateDir:
             if name.isdigit() and int(name) < r:
                 self.local.remove(f"rounds/{name}")
 
-    def remove_stale(self, finished: Callable[[str, str], bool]) -> list[str]:
-        """Remove this node's folders of other runs on this storage that nobody can resume from here: earlier
-        runs of the same name (another run id: superseded or started anew), and runs for which
-        `finished(run, run_id_prefix)` says storage holds all a resume needs (the run ended with this node's
-        state checkpointed, or is gone). Returns what was removed."""
+    def sibling_runs(self) -> list[tuple[str, str]]:
+        """(run, run id prefix) of the other runs on this storage of which this machine holds this node's state."""
         parent, mine = os.path.split(os.path.dirname(self.path))  # <root>/<storage key>, <run>-<id>
-        same_name = re.compile(re.escape(self.run) + r"-[0-9a-f]{12}")
-        removed = []
+        out = []
         for name in sorted(os.listdir(parent)) if os.path.isdir(parent) else []:
-            node_dir = os.path.join(parent, name, f"node-{self.node:03d}")
-            run, _, run_id = name.rpartition("-")
-            if name == mine or not os.path.isdir(node_dir) or not re.fullmatch(r"[0-9a-f]{12}", run_id):
-                continue
-            if not same_name.fullmatch(name) and not finished(run, run_id):
-                continue
-            shutil.rmtree(node_dir, ignore_errors=True)
-            removed.append(node_dir)
-            if not os.listdir(os.path.join(parent, name)):
-                os.rmdir(os.path.join(parent, name))
-        return removed
+            run, _, id12 = name.rpartition("-")
+            if name != mine and re.fullmatch(r"[0-9a-f]{12}", id12) and \
+                    os.path.isdir(os.path.join(parent, name, f"node-{self.node:03d}")):
+                out.append((run, id12))
+        return out
+
+    def keep_only(self, rounds: set) -> bool:
+        """Drop the global model held here and every state but those of `rounds` (all of this node's folder
+        when none); whether anything was removed."""
+        if not rounds:
+            if not os.path.isdir(self.path):
+                return False
+            self.remove_all()
+            return True
+        drop = [n for n in self.local.list_names("rounds") if not (n.isdigit() and int(n) in rounds)]
+        for name in drop:
+            self.local.remove(f"rounds/{name}")
+        had_base = self.local.is_committed("base") or os.path.isdir(os.path.join(self.path, "base"))
+        self.local.remove("base")
+        return bool(drop) or had_base
 
     def remove_all(self) -> str:
         """Remove this node's folder of this run (and the run's folder when no other node of it is here)."""

@@ -216,11 +216,12 @@ class Run:
                 ref = self.global_meta(k).node_states.get(node)
             except (NotCommitted, IntegrityError):  # retired: an older one
                 continue
-            if ref is None or self._checkpointed(node, ref):
+            if ref is None or self.has_checkpointed_state(node, ref):
                 return k, ref
         return 0, None
 
-    def _checkpointed(self, node: int, ref: StateRef) -> bool:
+    def has_checkpointed_state(self, node: int, ref: StateRef) -> bool:
+        """Whether the node state `ref` names is checkpointed on shared storage."""
         return ref.checkpoint and self.store.is_committed(self.layout.state_dir(ref.round, node))
 
     def resumable_rounds(self, has_local_state: Optional[LocalStateCheck] = None) -> list[int]:
@@ -240,7 +241,7 @@ class Run:
             elif has_local_state is None:
                 if r == latest:
                     out.append(r)
-            elif all(self._checkpointed(i, ref) or has_local_state(i, ref) for i, ref in self.node_states(r).items()):
+            elif all(self.has_checkpointed_state(i, ref) or has_local_state(i, ref) for i, ref in self.node_states(r).items()):
                 out.append(r)
         return out
 

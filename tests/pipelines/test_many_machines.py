@@ -180,9 +180,12 @@ def test_two_machines_with_one_killed_and_restarted_end_bitwise_equal(cluster, r
         rc = flow.wait(timeout=400)
         out = flow_log.read_text()
         assert rc == 0, out[-6000:] + (root / "machine-b.log").read_text()[-4000:]
-        # the run finished (its last round checkpointed every node): the machines drop their copies
-        _wait_for("the node machines to drop the finished run's state",
-                  lambda: not _states(root, "machine-a") and not _states(root, "machine-b"), 30, [a.proc, b.proc])
+        # the run finished (its last round checkpointed every node): each machine keeps only the state a
+        # resume from a round still on the bucket needs (round 2's: keep_rounds 2), no model
+        _wait_for("the node machines to tidy the finished run's state", lambda: all(
+            [sorted(os.listdir(d)) for d in _states(root, m)] == [["rounds"]] and
+            [os.listdir(d / "rounds") for d in _states(root, m)] == [["000002"]]
+            for m in ("machine-a", "machine-b")), 30, [a.proc, b.proc])
     finally:
         a.stop()
         b.stop()

@@ -43,6 +43,19 @@ def reference(tiny_reference):
     return tiny_reference["weights"]  # one reference run per session (tests/conftest.py)
 
 
+def _check_round_progress(run: str, r: int) -> None:
+    """The round's progress artifact in the Prefect UI: fed by the nodes' progress lines, 100 at its end."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from pipelines.round import artifact_key
+
+    key = artifact_key(run, "round", r, "progress")
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+    assert found and float(found[0].data) == 100.0, found
+
+
 def test_resume_from_a_checkpoint_round_equals_uninterrupted(project, reference):
     """The warmup stage's last round is a checkpoint round: node states on shared storage. With the nodes'
     own folders gone (a new machine), the run resumes from it, bit for bit."""
@@ -63,6 +76,7 @@ def test_resume_from_a_local_state_round_equals_uninterrupted(project, reference
     pfile = params_file(project)
     init_run(pfile, "local")
     train(pfile, "local")
+    _check_round_progress("local", 1)
     out = train(pfile, "local", resume_round=1)
     assert out["first_round"] == 2
     assert_same(final_weights(pfile, "local"), reference)

@@ -238,8 +238,10 @@ def test_loss_settings_come_from_the_runs_params_not_round_zeros_config(tmp_path
     assert shas[0] != shas[1]
 
 
-def test_a_finished_runs_local_state_goes_when_the_machine_next_serves_another_run(tmp_path, data):
+def test_a_finished_run_keeps_on_the_node_machine_only_what_a_resume_needs(tmp_path, data):
     import os
+
+    from spes.round.node import forget_finished_run
 
     p = make_params(tmp_path)
     p.spes.rounds = 2
@@ -256,18 +258,24 @@ def test_a_finished_runs_local_state_goes_when_the_machine_next_serves_another_r
                 node_round(p, store, name, r, i, data, checkpoint=name == "done" and r == 2)
             aggregate_round(p, store, name, r)
     folder = os.path.join(node_state_root(p), os.listdir(node_state_root(p))[0])
-    held = {n: sorted(os.listdir(os.path.join(folder, n))) for n in os.listdir(folder)}
-    assert {n.rsplit("-", 1)[0]: v for n, v in held.items()} == {"done": ["node-000", "node-001"],
-                                                                 "open": ["node-000", "node-001"]}
-    node_round(p, store, "next", 1, 0, data)  # node 0's first round of another run on this machine
-    left = {n.rsplit("-", 1)[0]: sorted(os.listdir(os.path.join(folder, n))) for n in os.listdir(folder)}
-    assert left == {"done": ["node-001"], "open": ["node-000", "node-001"], "next": ["node-000"]}
-    run_resumes = runs["done"].global_meta(2).node_states
-    assert all(ref.checkpoint for ref in run_resumes.values())  # all a resume of "done" needs is on storage
-    # a node machine does not wait for another run: once the last global is committed, the state goes
-    from spes.round.node import forget_finished_run
 
-    assert forget_finished_run(p, store, "open", 0) is None  # not finished: kept
+    def held():
+        return {n.rsplit("-", 1)[0]: {d: sorted(os.listdir(os.path.join(folder, n, d)))
+                                      for d in sorted(os.listdir(os.path.join(folder, n)))}
+                for n in os.listdir(folder)}
+
+    assert held()["done"] == {"node-000": ["base", "rounds"], "node-001": ["base", "rounds"]}
+    assert forget_finished_run(p, store, "open", 0) is None  # not finished: kept whole
+    # finished: global 1 (still on storage) was built with round 1's states, which only the nodes hold
     assert forget_finished_run(p, store, "done", 1).endswith("node-001")
-    left = {n.rsplit("-", 1)[0] for n in os.listdir(folder)}
-    assert left == {"open", "next"}  # the finished run's folder is gone with its last node
+    d1 = NodeStateDir(node_state_root(p), store.url, "done", runs["done"].info()["run_id"], 1)
+    assert d1.local.list_names("rounds") == ["000001"] and d1.base() is None
+    assert forget_finished_run(p, store, "done", 1) is None  # nothing more to drop
+    # once retention lets global 1 go, nothing local is needed: node 0's first round of another run on this
+    # machine removes the finished run's folder for node 0
+    assert runs["done"].retire(2, 1) == [1]
+    node_round(p, store, "next", 1, 0, data)
+    assert held() == {"done": {"node-001": ["rounds"]}, "open": {"node-000": ["base", "rounds"],
+                      "node-001": ["base", "rounds"]}, "next": {"node-000": ["base", "rounds"]}}
+    assert forget_finished_run(p, store, "done", 1).endswith("node-001")
+    assert "done" not in held()

@@ -59,7 +59,7 @@ def test_discard_and_prune(tmp_path):
     assert d.base() == (4, sha) and d.load_base()["w"].tolist() == [0.0, 1.0, 2.0]
 
 
-def test_a_superseded_or_finished_runs_state_is_removed_and_nothing_else(tmp_path):
+def test_other_runs_and_keeping_only_some_states(tmp_path):
     from spes.run.node_state import NodeStateDir
 
     old = NodeStateDir(str(tmp_path), "url", "r", "a" * 32, 0)
@@ -67,12 +67,13 @@ def test_a_superseded_or_finished_runs_state_is_removed_and_nothing_else(tmp_pat
     other_run = NodeStateDir(str(tmp_path), "url", "r2", "b" * 32, 0)
     for d in (old, other_node, other_run):
         d.save_base(1, {"w": torch.zeros(2)})
+        for r in (1, 2, 3):
+            _save(d, r)
     new = NodeStateDir(str(tmp_path), "url", "r", "c" * 32, 0)
     new.save_base(1, {"w": torch.zeros(2)})
-    asked = []
-    assert new.remove_stale(lambda run, id12: asked.append((run, id12)) or False) == [old.path]
-    assert not os.path.exists(old.path) and os.path.exists(other_node.path)  # node 1 is another machine's business
-    assert os.path.exists(other_run.path) and new.base() is not None
-    assert asked == [("r2", "b" * 12)]  # the other run's fate is storage's to say
-    assert new.remove_stale(lambda run, id12: run == "r2") == [other_run.path]
-    assert not os.path.exists(os.path.dirname(other_run.path)) and new.base() is not None
+    assert new.sibling_runs() == [("r", "a" * 12), ("r2", "b" * 12)]  # node 1 is another machine's business
+    assert other_run.keep_only({2}) and other_run.local.list_names("rounds") == ["000002"]
+    assert other_run.base() is None and not other_run.keep_only({2})  # nothing left to drop
+    assert old.keep_only(set()) and not os.path.exists(old.path)
+    assert os.path.exists(other_node.path) and new.base() is not None
+    assert new.sibling_runs() == [("r2", "b" * 12)]
