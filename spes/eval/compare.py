@@ -195,13 +195,15 @@ def summarize(p: Params, results: list[dict]) -> dict:
             if diffs:
                 merge[budget] = _mean_std(diffs) + (len(diffs),)
     return {"rows": rows, "sweep": {f"{v}|{b}|{lr}": ms for (v, b, lr), ms in sorted(sweep.items())}, "merge": merge,
-            "frontier": frontier(p, rows)}
+            "frontier": frontier(p, rows, by)}
 
 
-def frontier(p: Params, rows: list[dict]) -> list[dict]:
+def frontier(p: Params, rows: list[dict], runs: Optional[dict] = None) -> list[dict]:
     """Held-out loss against communication, when the variants sync at different intervals: per summary row of
     a method with several nodes, its sync interval and the bytes each node moves (up and down) per training
-    token it sees (bytes per node per round x rounds / tokens per node). Empty with one interval."""
+    token it sees (bytes per node per round x rounds / tokens per node); with `runs` ((variant, budget, lr)
+    -> results), its paired difference to the same method at params.yaml's interval. Empty with one
+    interval."""
     out = []
     for r in rows:
         vp = variant_params(p, r["variant"], budget=r["budget"])
@@ -216,6 +218,14 @@ def frontier(p: Params, rows: list[dict]) -> list[dict]:
                     / (r["tokens"] / method.nodes)})
     if len({x["sync_steps"] for x in out}) < 2:
         return []
+    for x in out:  # against the same method at the base interval (paired by seed and window)
+        same = [y for y in out if (y["method"], y["budget"], y["sync_steps"]) ==
+                (x["method"], x["budget"], p.spes.sync_steps)]
+        x["diff_to_base_interval"], x["diff_to_base_interval_se"] = None, None
+        if runs is not None and same:
+            mine, base = ([r for (v, b, _), rs in runs.items() if v == y["variant"] and b == y["budget"] for r in rs]
+                          for y in (x, same[0]))
+            x["diff_to_base_interval"], x["diff_to_base_interval_se"] = paired_difference(mine, base)
     return sorted(out, key=lambda x: (x["budget"], x["method"], x["sync_steps"]))
 
 
@@ -255,12 +265,17 @@ def report_markdown(p: Params, summary: dict) -> str:
                 "Bytes each node moves (uploads and downloads) per training token it sees; fewer local steps per "
                 "round buy a lower loss with more traffic.\n",
                 f"| method | budget | sync_steps | seeds | held-out loss | minus {c.baseline} (paired SE) | "
-                "bytes / node / token |", "|---|---|---|---|---|---|---|"]
+                f"minus the same method at sync_steps {p.spes.sync_steps} (paired SE) | bytes / node / token |",
+                "|---|---|---|---|---|---|---|---|"]
+
+        def paired(d, se):
+            return "-" if d is None else f"{d:+.4f} ({se:.4f})"
+
         for f in summary["frontier"]:
-            paired = "-" if f["diff_to_baseline"] is None else \
-                f"{f['diff_to_baseline']:+.4f} ({f['diff_to_baseline_se']:.4f})"
             out.append(f"| {f['method']} | {f['budget']}x | {f['sync_steps']} | {f['seeds']} | "
-                       f"{f['heldout_loss_mean']:.4f} +- {f['heldout_loss_std']:.4f} | {paired} | "
+                       f"{f['heldout_loss_mean']:.4f} +- {f['heldout_loss_std']:.4f} | "
+                       f"{paired(f['diff_to_baseline'], f['diff_to_baseline_se'])} | "
+                       f"{paired(f.get('diff_to_base_interval'), f.get('diff_to_base_interval_se'))} | "
                        f"{f['bytes_per_node_per_token']:.1f} |")
     out += ["\n## Learning-rate sweep (mean held-out loss over seeds)\n", "| variant | budget | lr | loss | std |",
             "|---|---|---|---|---|"]

@@ -181,6 +181,13 @@ def test_the_sync_interval_frontier_exact_numbers():
     assert front["spes-s10"]["bytes_per_node_per_token"] == 2000.0 * 50 / 500
     assert front["fedavg-s100"]["sync_steps"] == 100 and front["fedavg-s100"]["method"] == "fedavg"
     assert [f["sync_steps"] for f in s["frontier"]] == [10, 25, 50, 100, 10, 25, 50, 100]  # fedavg, then spes
-    assert "| spes | 1x | 10 | 1 | 3.1000 +- 0.0000 | - | 200.0 |" in report_markdown(p, s)
+    assert "| spes | 1x | 10 | 1 | 3.1000 +- 0.0000 | - | - | 200.0 |" in report_markdown(p, s)  # no windows
+    windows = [_result(v, 0, 0.002, 3.0 + i / 10, tokens=1000, heldout_windows=[3.0 + i / 10, 2.0 + i / 5])
+               for i, v in enumerate(p.compare.variants)]
+    front = {f["variant"]: f for f in summarize(p, windows)["frontier"]}
+    # spes-s10 (index 1) minus spes (index 0), window by window: 0.1 and 0.2
+    assert front["spes-s10"]["diff_to_base_interval"] == pytest.approx(0.15)
+    assert front["spes"]["diff_to_base_interval"] == 0.0 and front["fedavg-s10"]["diff_to_base_interval"] == \
+        pytest.approx(0.15)
     p.compare.variants = {"spes": [], "fedavg": ["spes.method=fedavg"], "centralized": ["spes.method=centralized"]}
     assert summarize(p, results[:1] + results[4:5] + results[8:])["frontier"] == []  # one interval: no frontier
