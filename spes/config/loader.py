@@ -133,6 +133,11 @@ def _check_training(p: Params) -> None:
     _need(s.autocast in (None, "bfloat16", "float16"), f"spes.autocast must be null|bfloat16|float16, got {s.autocast!r}")
     _need(s.outer_lr > 0 and 0.0 <= s.outer_momentum < 1.0,
           "spes.outer_lr must be > 0 and spes.outer_momentum in [0, 1)")
+    _need(s.shared_outer in ("average", "nesterov"),
+          f"spes.shared_outer must be average|nesterov, got {s.shared_outer!r}")
+    _need(s.shared_outer == "average" or s.method == "spes",
+          f"spes.shared_outer: nesterov is for spes.method spes (diloco always takes its outer step; "
+          f"{s.method} averages), got method {s.method!r}")
     mg = s.merge
     _need(mg.interval >= 1 and mg.decay_steps >= 1 and mg.top_k >= 1, "spes.merge.interval/decay_steps/top_k must be >= 1")
     _need(0.0 <= mg.alpha_start <= 1.0, f"spes.merge.alpha_start must be in [0, 1], got {mg.alpha_start}")

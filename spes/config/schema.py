@@ -254,6 +254,10 @@ class SpesConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     outer_nesterov: bool = True
+    shared_outer: str = "average"
+    """spes only: how the nodes' deltas of the shared parameters become the global's change: 'average' (the
+    paper: their mean) or 'nesterov' (DiLoCo's outer SGD step on their mean, with outer_lr, outer_momentum and
+    outer_nesterov; experts still come from their owners)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=0.002, warmup_steps=10))
     merge: MergeConfig = field(default_factory=MergeConfig)
 

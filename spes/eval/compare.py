@@ -210,7 +210,8 @@ def frontier(p: Params, rows: list[dict], runs: Optional[dict] = None) -> list[d
         method = sync_method(vp.spes)
         if method.nodes < 2:  # one node: nothing between nodes to trade against
             continue
-        out.append({"variant": r["variant"], "budget": r["budget"], "method": vp.spes.method,
+        label = vp.spes.method + ("+nesterov" if vp.spes.shared_outer == "nesterov" else "")
+        out.append({"variant": r["variant"], "budget": r["budget"], "method": label,
                     "sync_steps": vp.spes.sync_steps, "heldout_loss_mean": r["heldout_loss_mean"],
                     "heldout_loss_std": r["heldout_loss_std"], "seeds": r["seeds"],
                     "diff_to_baseline": r["diff_to_baseline"], "diff_to_baseline_se": r["diff_to_baseline_se"],

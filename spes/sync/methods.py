@@ -3,8 +3,9 @@ merge. Everything that differs between SPES and its baselines is here, behind on
 the code asks the method instead of comparing its name.
 
 - spes: each node trains the shared parameters and its own experts (contiguous blocks, or spes.ownership);
-  shared tensors = prev + mean over the nodes present of their deltas (optionally token-weighted); each
-  expert = prev + its owner's delta (absent owners: unchanged); the expert-merging warm-up while alpha > 0.
+  shared tensors = prev + mean over the nodes present of their deltas (optionally token-weighted; with
+  spes.shared_outer nesterov, DiLoCo's outer step on that mean); each expert = prev + its owner's delta
+  (absent owners: unchanged); the expert-merging warm-up while alpha > 0.
 - fedavg: every node trains everything; prev + mean(delta_i).
 - centralized: fedavg on one node with num_nodes x batch_size sequences per step (the same tokens per step).
 - diloco: every node trains everything; the pseudo-gradient is -mean(delta_i); an outer SGD step (Nesterov
@@ -139,6 +140,16 @@ class Spes(SyncMethod):
 
     def is_averaged(self, name: str) -> bool:
         return not is_expert_param(name)
+
+    @property
+    def keeps_outer_state(self) -> bool:
+        return self.s.shared_outer == "nesterov" and self.s.outer_momentum > 0
+
+    def global_change(self, deltas, weights, outer_state=None):
+        if self.s.shared_outer == "average":
+            return super().global_change(deltas, weights, outer_state)
+        return outer_step(weighted_sum(deltas, weights), outer_state, self.s.outer_lr, self.s.outer_momentum,
+                          self.s.outer_nesterov)
 
     def merge_alpha(self, step: int, num_experts: int) -> float:
         m = self.s.merge

@@ -21,6 +21,8 @@ def test_the_embedded_default_validates_and_round_trips():
     ("spes.num_nodes=3", "model.num_experts / spes.num_nodes"),
     ("model.top_k=9", "model.top_k"),
     ("spes.method=gossip", "spes.method"),
+    ("spes.shared_outer=adam", "spes.shared_outer"),
+    ("spes.shared_outer=nesterov spes.method=fedavg", "spes.shared_outer: nesterov is for spes.method spes"),
     ("orchestration.min_nodes=5", "orchestration.min_nodes"),
     ("spes.optim.lr=-1", "spes.optim.lr"),
     ("spes.optim.lr=0", "spes.optim.lr"),
@@ -47,7 +49,7 @@ def test_the_embedded_default_validates_and_round_trips():
 ])
 def test_bad_settings_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.").replace("/", r"\s*/\s*")) as e:
-        load_params(PARAMS_YAML, [override])
+        load_params(PARAMS_YAML, override.split())
     assert "\n" not in str(e.value)
 
 

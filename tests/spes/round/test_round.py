@@ -106,6 +106,34 @@ def test_spes_aggregation_exact_and_downloads_skip_own_experts(tmp_path, data):
     assert shared + other <= metas[0].bytes_down < shared + other + own
 
 
+def test_spes_with_an_outer_nesterov_step_on_the_shared_parameters_exact(tmp_path, data):
+    """spes.shared_outer nesterov: shared tensors take DiLoCo's outer step on the nodes' mean delta (momentum
+    kept in the global across rounds), experts still their owner's delta."""
+    from spes.run.layout import OUTER_FILE
+    from spes.sync.methods import outer_step
+
+    p = make_params(tmp_path)
+    p.spes.shared_outer = "nesterov"
+    p.spes.merge.enabled = False  # experts: their owner's delta alone, in both rounds
+    run = start(p)
+    bufs = {}
+    for r in (1, 2):
+        do_round(p, run, data, r)
+        ups = [run.store.read_bundle(run.layout.node_dir(r, i)).files for i in (0, 1)]
+        prev, new = _global(run, r - 1), _global(run, r)
+        outer = run.store.read_bundle(run.layout.global_dir(r)).files[OUTER_FILE]
+        for name, t in new.items():
+            if ".experts." in name:
+                for i, rows in ((0, slice(0, 2)), (1, slice(2, 4))):
+                    assert torch.equal(t[rows], prev[name][rows] + ups[i][EXPERTS_FILE][name]), name
+                assert name not in outer  # no outer state for experts
+            else:
+                mean = weighted_sum([ups[0][SHARED_FILE][name], ups[1][SHARED_FILE][name]], [0.5, 0.5])
+                change, bufs[name] = outer_step(mean, bufs.get(name), 0.7, 0.9, True)
+                assert torch.equal(t, prev[name] + change) and torch.equal(outer[name], bufs[name]), name
+    assert run.global_meta(2).method == "spes"
+
+
 def test_a_retried_node_round_is_idempotent(tmp_path, data):
     p = make_params(tmp_path)
     run = start(p)

@@ -27,6 +27,14 @@ def test_each_method_is_an_object_with_its_own_rules():
     assert (spes.is_averaged(expert), spes.is_averaged(shared), method("fedavg").is_averaged(expert)) == (False, True, True)
     assert spes.sparse_experts and not method("diloco").sparse_experts
     assert method("diloco").keeps_outer_state and not method("diloco", outer_momentum=0.0).keeps_outer_state
+    assert not spes.keeps_outer_state and method("spes", shared_outer="nesterov").keeps_outer_state
+
+
+def test_spes_outer_step_on_the_shared_parameters_is_dilocos():
+    d, w = [torch.tensor([-1.0]), torch.tensor([-0.5])], [0.5, 0.5]
+    nesterov = method("spes", shared_outer="nesterov").global_change(d, w, None)
+    assert [x.tolist() for x in nesterov] == [x.tolist() for x in method("diloco").global_change(d, w, None)]
+    assert method("spes").global_change(d, w, None)[0].tolist() == [-0.75]  # the paper's mean
 
 
 def test_merging_only_for_spes_when_due():
