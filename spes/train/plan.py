@@ -11,6 +11,7 @@
   the one prefetched); activations are those of the rank's micro-batch.
 
     python -m spes.plan [--params params.yaml] [--gpu-mem 48GiB] [--json] [key=value ...]
+    python -m spes.plan --nodes 24GiB,48GiB,80GiB [configs/...] [--json]   # nodes of different sizes
 
 (the same as `python -m spes.train.plan`) prints it per node, against training the whole model on one
 device, and whether it fits; then the peak per GPU of the largest node with ddp and fsdp, plain and chunked
@@ -249,6 +250,57 @@ def summary(cfg: ModelConfig, s: SpesConfig, ranks: int, gpu_mem: Optional[int])
             "activations_bytes": worst["peak_bytes"] - worst["state_bytes"]}
 
 
+# -- nodes of different sizes ---------------------------------------------------------------------------
+def plan_owning(cfg: ModelConfig, s: SpesConfig, experts: int, ranks: int = 1) -> dict:
+    """plan_node of a SPES node that owns `experts` experts of every layer (the rest frozen)."""
+    e = cfg.num_experts
+    own = {"num_nodes": 1, "ownership": None} if experts >= e else \
+        {"num_nodes": 2, "ownership": [list(range(experts)), list(range(experts, e))]}
+    return plan_node(cfg, SpesConfig(**{**s.__dict__, "method": "spes", **own}), 0, ranks)
+
+
+def capacity_plan(cfg: ModelConfig, s: SpesConfig, memories: list[int], ranks: int = 1) -> dict:
+    """Experts per layer for nodes of different memory: every node fits its memory and the largest count (the
+    slowest node, by the time model below) is as small as it can be.
+
+    Time model (a model, not a measurement): every SPES node runs the forward pass and the input-gradient
+    backward of the whole active model on the same number of tokens, the same work on every node; what grows
+    with ownership is the weight gradients and the AdamW update of its own experts. So with GPUs of equal
+    speed the slowest node is the one owning the most experts, and balancing counts under the memory caps
+    minimizes it (water-filling: each node up to a common level, capped by what fits it).
+    Raises ConfigError naming the node that cannot hold even one expert, or the shortfall."""
+    e = cfg.num_experts
+    if e < 1:
+        raise ConfigError("a capacity plan needs an MoE model (model.num_experts >= 1)")
+    if not memories:
+        raise ConfigError("--nodes: name at least one node's memory, e.g. 24GiB,48GiB")
+    caps = []
+    for i, mem in enumerate(memories):
+        fits = [k for k in range(1, e + 1) if plan_owning(cfg, s, k, ranks)["peak_bytes"] <= mem]
+        if not fits:
+            one = plan_owning(cfg, s, 1, ranks)
+            raise ConfigError(f"node {i} ({_gib(mem)}): owning even one expert per layer needs "
+                              f"{_gib(one['peak_bytes'])} per GPU, its frozen experts alone "
+                              f"{_gib(one['frozen_params'] * DTYPE_BYTES[s.frozen_dtype])}")
+        caps.append(max(fits))
+    if sum(caps) < e or len(memories) > e:
+        raise ConfigError(f"the nodes hold at most {min(sum(caps), e)} of the {e} experts per layer between them "
+                          f"({', '.join(f'node {i}: {c}' for i, c in enumerate(caps))}); every expert needs an "
+                          "owner and every node at least one expert")
+    level = next(t for t in range(1, e + 1) if sum(min(c, t) for c in caps) >= e)
+    counts = [min(c, level) for c in caps]
+    for i in reversed(range(len(counts))):  # give back the excess from the last nodes at the level
+        while sum(counts) > e and counts[i] == level and counts[i] > 1:
+            counts[i] -= 1
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    ownership = [list(range(a, a + c)) for a, c in zip(starts, counts)]
+    plan = SpesConfig(**{**s.__dict__, "method": "spes", "num_nodes": len(counts), "ownership": ownership})
+    peaks = [plan_node(cfg, plan, i, ranks)["peak_bytes"] for i in range(len(counts))]
+    return {"experts_per_node": counts, "max_experts_per_node": caps, "ownership": ownership,
+            "peak_bytes": peaks, "memory_bytes": list(memories),
+            "overrides": [f"spes.num_nodes={len(counts)}", "spes.ownership=" + json.dumps(ownership).replace(" ", "")]}
+
+
 def _ranges(nodes: list[int]) -> str:
     return f"{nodes[0]}-{nodes[-1]}" if len(nodes) > 1 and nodes == list(range(nodes[0], nodes[-1] + 1)) \
         else ", ".join(map(str, nodes))
@@ -261,13 +313,27 @@ def main() -> None:
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--gpu-mem", default=None, help="memory of one device, e.g. 48GiB")
     ap.add_argument("--json", action="store_true", help="end with one JSON line: fits, peak_bytes_per_gpu, ...")
+    ap.add_argument("--nodes", default=None,
+                    help="memory of each node's GPU, e.g. 24GiB,48GiB,80GiB: plan how many experts each owns")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     try:
         p = load_params(a.params, a.overrides)
         gpu_mem = parse_bytes(a.gpu_mem) if a.gpu_mem else None
+        if a.nodes:
+            cp = capacity_plan(p.model, p.spes, [parse_bytes(x) for x in a.nodes.split(",")],
+                               p.orchestration.gpus_per_node)
     except (ConfigError, ValueError) as e:
         raise SystemExit(f"config error: {e}")
+    if a.nodes:
+        for i, (c, cap, peak, mem) in enumerate(zip(cp["experts_per_node"], cp["max_experts_per_node"],
+                                                    cp["peak_bytes"], cp["memory_bytes"])):
+            print(f"node {i}: {_gib(mem)}, owns {c} of {p.model.num_experts} experts per layer (fits up to {cap}); "
+                  f"peak per GPU {_gib(peak)}")
+        print("settings: " + " ".join(cp["overrides"]))
+        if a.json:
+            print(json.dumps(cp))
+        return
     print("\n".join(report(p.model, p.spes, p.orchestration.gpus_per_node, gpu_mem)))
     if a.json:
         print(json.dumps(summary(p.model, p.spes, p.orchestration.gpus_per_node, gpu_mem)))

@@ -137,3 +137,34 @@ def test_the_lm_head_z_loss_is_counted_on_the_plain_path():
     # under bf16 autocast the z-loss also keeps the fp32 copy of the logits
     assert activation_bytes(z, 8, 64, autocast="bfloat16") - activation_bytes(cfg, 8, 64, autocast="bfloat16") \
         == 2 * T * 8192 * 4 + T * 4
+
+
+def test_a_capacity_plan_fits_every_node_and_balances_the_largest_count():
+    import json
+    import os
+
+    from spes.config.loader import load_params
+    from spes.errors import ConfigError
+    from spes.train.plan import capacity_plan, plan_owning
+    from tests.conftest import ROOT
+
+    p = load_params(os.path.join(ROOT, "params.yaml"))  # 8 experts per layer
+    cfg, s = p.model, p.spes
+    peak = {k: plan_owning(cfg, s, k)["peak_bytes"] for k in range(1, 9)}
+    assert all(peak[k] < peak[k + 1] for k in range(1, 8))  # owning more costs more
+    # caps 1, 3 and 8 experts: the level where they hold all 8 is 4 -> 1, 3, 4
+    cp = capacity_plan(cfg, s, [peak[1], peak[3] + 1, 10 * peak[8]])
+    assert cp["max_experts_per_node"] == [1, 3, 8] and cp["experts_per_node"] == [1, 3, 4]
+    assert cp["ownership"] == [[0], [1, 2, 3], [4, 5, 6, 7]]
+    assert all(b <= m for b, m in zip(cp["peak_bytes"], cp["memory_bytes"]))
+    assert cp["peak_bytes"] == [peak[1], peak[3], peak[4]]
+    # equal big nodes: an even split; the printed settings are a valid run
+    even = capacity_plan(cfg, s, [10 * peak[8]] * 2)
+    assert even["experts_per_node"] == [4, 4]
+    q = load_params(os.path.join(ROOT, "params.yaml"), cp["overrides"])
+    assert q.spes.num_nodes == 3 and q.spes.ownership == [[0], [1, 2, 3], [4, 5, 6, 7]]
+    assert json.loads(cp["overrides"][1].split("=", 1)[1]) == cp["ownership"]
+    with pytest.raises(ConfigError, match=r"node 1 \(.*\): owning even one expert per layer needs"):
+        capacity_plan(cfg, s, [peak[8], peak[1] - 1])
+    with pytest.raises(ConfigError, match="hold at most 2 of the 8 experts"):
+        capacity_plan(cfg, s, [peak[1], peak[1]])
