@@ -31,7 +31,7 @@ from prefect import flow, get_run_logger
 from pipelines.node_host import HOST_ENV, host_round
 from pipelines.request import NodeRequest
 from spes.config.loader import params_from_dict
-from spes.round.node import parse_progress
+from spes.round.progress_line import parse_progress
 from spes.run.heartbeat import Heartbeat
 from spes.storage.files import FileStore
 

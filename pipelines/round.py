@@ -33,7 +33,8 @@ from spes.config.schema import Params
 from spes.errors import retryable
 from spes.round.aggregator import Aggregator
 from spes.round.driver import HeldOutProbe, run_round
-from spes.round.node import committed_report, parse_progress
+from spes.round.node import committed_report
+from spes.round.progress_line import parse_progress
 from spes.run.records import GlobalMeta, NodeReport, RoundRecord
 from spes.run.run import Run
 from spes.storage.store import Store

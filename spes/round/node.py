@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -25,6 +24,7 @@ from spes.data.tokens import BatchStream, TokenData
 from spes.errors import NonFiniteLoss, ProtocolError, StorageError
 from spes.model.transformer import CausalLM
 from spes.round.fetch import fetch_global
+from spes.round.progress_line import progress_line
 from spes.run.layout import RunLayout
 from spes.run.node_state import NodeState, NodeStateDir
 from spes.run.records import GlobalMeta, NodeReport, StateRef, UploadMeta
@@ -300,20 +300,8 @@ def commit(p: Params, store: Store, run: str, r: int, node: int, inputs: RoundIn
     return node_report(manifest, f"{store.url}/{rel}", time.perf_counter() - t2)
 
 
-PROGRESS_LINE = re.compile(r"node (\d+) round (\d+): step (\d+)/(\d+),")
-"""What `_log_progress` writes, read back by whoever relays a node's output (a progress bar of the round)."""
-
-
-def parse_progress(line: str) -> Optional[tuple[int, int, int, int]]:
-    """(node, round, steps done, steps) of a node's progress line, else None."""
-    m = PROGRESS_LINE.search(line)
-    return tuple(int(g) for g in m.groups()) if m else None
-
-
 def _log_progress(node: int, r: int, done: int, steps: int, loss: float, tokens: int, seconds: float) -> None:
-    left = seconds / done * (steps - done)
-    log.info("node %d round %d: step %d/%d, loss %.4f, %.0f tokens/s, %.0f s left in the round", node, r, done, steps,
-             loss, tokens / max(seconds, 1e-9), left)
+    log.info("%s", progress_line(node, r, done, steps, loss, tokens, seconds))
 
 
 def node_round(p: Params, store: Store, run: str, r: int, node: int, data: TokenData,
