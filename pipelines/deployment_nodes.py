@@ -127,7 +127,7 @@ def _run_flow_run(p: Params, run: str, r: int, node: int, timeout_s: float, chec
                 if time.monotonic() >= next_beat:
                     watch.poll()
                     if progress is not None and watch.progress is not None:
-                        progress.node_step(node, round(watch.progress * 1000), 1000)
+                        progress.node_done(node, watch.progress)
                     next_beat = time.monotonic() + beat_every
                     if not waiting_logged and not (state and state.is_running()) and \
                             time.monotonic() - t0 > min(WAITING_LOG_S, o.heartbeat_timeout_s / 2):

@@ -34,8 +34,8 @@ class NodeRunner:
         self.flow, self.deployments, self.poll_s, self.limit = flow, list(deployments), poll_s, limit
         self._cancel_work = cancel
         self.ids: list[UUID] = []
-        self._active: dict[UUID, threading.Thread] = {}
-        self._cancelled: set[UUID] = set()
+        self._active: set[UUID] = set()
+        self._cancelled: set[UUID] = set()  # of the active ones
         self._lock = threading.Lock()
 
     def register(self) -> list[UUID]:
@@ -69,10 +69,9 @@ class NodeRunner:
                     continue
             except Abort:
                 continue
-            t = threading.Thread(target=self._run, args=(fr,), name=f"spes-node-run-{fr.name}", daemon=True)
             with self._lock:
-                self._active[fr.id] = t
-            t.start()
+                self._active.add(fr.id)
+            threading.Thread(target=self._run, args=(fr,), name=f"spes-node-run-{fr.name}", daemon=True).start()
 
     def _run(self, fr) -> None:
         from prefect.flow_engine import run_flow
@@ -83,8 +82,10 @@ class NodeRunner:
             log.warning("node runner: flow run %s ended with %r", fr.name, e)
         finally:
             with self._lock:
-                self._active.pop(fr.id, None)
-            if fr.id in self._cancelled:
+                self._active.discard(fr.id)
+                cancelled = fr.id in self._cancelled
+                self._cancelled.discard(fr.id)
+            if cancelled:
                 self._mark_cancelled(fr.id)
 
     def _cancel_requested(self, client) -> None:
@@ -103,7 +104,8 @@ class NodeRunner:
         for fr in client.read_flow_runs(flow_run_filter=FlowRunFilter(
                 id=FlowRunFilterId(any_=active),
                 state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.CANCELLING])))):
-            self._cancelled.add(fr.id)
+            with self._lock:
+                self._cancelled.add(fr.id)
             log.info("node runner: cancelling flow run %s", fr.name)
             self._cancel_work(fr.id)
 
@@ -117,10 +119,3 @@ class NodeRunner:
                 client.set_flow_run_state(flow_run_id, Cancelled(message="cancelled by the orchestrator"), force=True)
         except Exception as e:
             log.warning("node runner: could not mark flow run %s cancelled: %s", flow_run_id, e)
-
-    def wait_idle(self, timeout_s: float) -> None:
-        """Let running flow runs finish (up to timeout_s), e.g. on shutdown."""
-        with self._lock:
-            threads = list(self._active.values())
-        for t in threads:
-            t.join(timeout_s)

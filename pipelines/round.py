@@ -57,7 +57,7 @@ def _run_node_process(p: Params, run: str, r: int, node: int, timeout_s: float,
         logger.info("node %d | %s", node, line)
         step = parse_progress(line)
         if progress is not None and step is not None:
-            progress.node_step(node, step[2], step[3])
+            progress.node_done(node, step[2] / step[3])
 
     status, report = POOL.get(node).run_round(req, timeout_s, relay, cancelled=stopping.STOPPING.is_set)
     if status == "cancelled":
@@ -85,7 +85,7 @@ def node_task(p: Params, run: str, r: int, node: int, deadline: float, checkpoin
         return NodeReport(node, status)
     progress = RoundProgress.of(run, r)
     if progress is not None:
-        progress.node_step(node, 1, 1, force=True)
+        progress.node_done(node, 1.0, force=True)
     return report
 
 

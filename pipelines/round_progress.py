@@ -1,9 +1,10 @@
 """A progress artifact per round in the Prefect UI: the mean over the round's nodes of the share of their
 local steps done, fed by the nodes' progress lines (process executor) or their heartbeats (deployments).
 
-    RoundProgress.start(run, r, nodes)   at the round's start (round task)
-    RoundProgress.of(run, r)             the node tasks' handle on it (None outside a round)
-    .node_step(node, done, steps)        a node's progress; the artifact is written at most every MIN_GAP_S
+    RoundProgress.start(key, run, r, nodes)   at the round's start (round task)
+    RoundProgress.of(run, r)                  the node tasks' handle on it (None outside a round)
+    .node_done(node, share)                   a node's share of its steps done; the artifact is written at
+                                              most every MIN_GAP_S (or at once with force)
 """
 import threading
 import time
@@ -38,9 +39,9 @@ class RoundProgress:
         with _LOCK:
             return _ROUNDS.get((run, r))
 
-    def node_step(self, node: int, done: int, steps: int, force: bool = False) -> None:
+    def node_done(self, node: int, share: float, force: bool = False) -> None:
         with self._lock:
-            self.done[node] = min(1.0, done / max(1, steps))
+            self.done[node] = min(1.0, share)
             value = 100.0 * sum(self.done.values()) / self.nodes
             if value == self._last or (not force and time.monotonic() - self._written < MIN_GAP_S):
                 return

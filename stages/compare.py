@@ -113,19 +113,14 @@ def report(a) -> None:
         w.writeheader()
         w.writerows(summary["rows"])
     curves = _write_curves(os.path.join(out, "heldout_curves.csv"), summary["rows"], results)
-    from spes.eval.svg_plot import line_plot_svg
+    from spes.eval.svg_plot import line_plot_svg, series_of
 
-    series: dict[str, list] = {}
-    for point in curves:
-        series.setdefault(point["series"], []).append((point["tokens"], point["heldout_loss"]))
     with open(os.path.join(out, "heldout_curves.svg"), "w") as f:  # opens offline, unlike `dvc plots show`
-        f.write(line_plot_svg(series, "held-out loss vs tokens (mean over seeds, best lr)", "tokens",
-                              "held-out loss"))
+        f.write(line_plot_svg(series_of(curves, lambda c: c["series"], "tokens", "heldout_loss"),
+                              "held-out loss vs tokens (mean over seeds, best lr)", "tokens", "held-out loss"))
     if summary["frontier"]:  # variants syncing at different intervals: loss against traffic, a line per method
-        lines: dict[str, list] = {}
-        for f_ in summary["frontier"]:
-            lines.setdefault(f"{f_['method']} ({f_['budget']}x)", []).append(
-                (f_["bytes_per_node_per_token"], f_["heldout_loss_mean"]))
+        lines = series_of(summary["frontier"], lambda f: f"{f['method']} ({f['budget']}x)",
+                          "bytes_per_node_per_token", "heldout_loss_mean")
         with open(os.path.join(out, "frontier.svg"), "w") as f:
             f.write(line_plot_svg(lines, "held-out loss against bytes per node per token (points: sync_steps)",
                                   "bytes on the wire per node per training token", "held-out loss"))

@@ -28,17 +28,17 @@ def _write_csv(path: str, rows: list[dict]) -> None:
 
 def _write_svgs(d: str, per_round: list[dict], node_rows: list[dict]) -> None:
     """The two plots as SVG files beside their CSVs (`dvc plots show` needs a CDN; these open offline)."""
-    from spes.eval.svg_plot import line_plot_svg
+    from spes.eval.svg_plot import line_plot_svg, series_of
 
-    plots = {"heldout_loss.svg": ({"held-out loss": [(r["step"], r["heldout_loss"]) for r in per_round]},
-                                  "held-out loss per round", "step", "held-out loss"),
-             "node_loss.svg": ({f"node {n}": [(r["round"], r["train_loss"]) for r in node_rows if r["node"] == n]
-                                for n in sorted({r["node"] for r in node_rows})},
-                               "train loss per round, per node", "round", "mean train loss")}
-    for name, (series, title, xlabel, ylabel) in plots.items():
+    plots = {"heldout_loss.svg": (series_of(per_round, lambda r: "held-out loss", "step", "heldout_loss"),
+                                  "held-out loss per round", "step", "held-out loss",
+                                  "no held-out evaluation during the rounds (eval.every_rounds: 0)"),
+             "node_loss.svg": (series_of(sorted(node_rows, key=lambda r: r["node"]), lambda r: f"node {r['node']}",
+                                         "round", "train_loss"),
+                               "train loss per round, per node", "round", "mean train loss", "no round records")}
+    for name, (series, title, xlabel, ylabel, empty) in plots.items():
         with open(os.path.join(d, name), "w") as f:
-            f.write(line_plot_svg(series, title, xlabel, ylabel,
-                                  "no held-out evaluation during the rounds (eval.every_rounds: 0)"))
+            f.write(line_plot_svg(series, title, xlabel, ylabel, empty))
 
 
 def main() -> None:

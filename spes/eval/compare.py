@@ -211,7 +211,7 @@ def frontier(p: Params, rows: list[dict], runs: Optional[dict] = None) -> list[d
         if method.nodes < 2:  # one node: nothing between nodes to trade against
             continue
         label = vp.spes.method + ("+nesterov" if vp.spes.shared_outer == "nesterov" else "")
-        out.append({"variant": r["variant"], "budget": r["budget"], "method": label,
+        out.append({"variant": r["variant"], "budget": r["budget"], "lr": r["lr"], "method": label,
                     "sync_steps": vp.spes.sync_steps, "heldout_loss_mean": r["heldout_loss_mean"],
                     "heldout_loss_std": r["heldout_loss_std"], "seeds": r["seeds"],
                     "diff_to_baseline": r["diff_to_baseline"], "diff_to_baseline_se": r["diff_to_baseline_se"],
@@ -219,14 +219,14 @@ def frontier(p: Params, rows: list[dict], runs: Optional[dict] = None) -> list[d
                     / (r["tokens"] / method.nodes)})
     if len({x["sync_steps"] for x in out}) < 2:
         return []
-    for x in out:  # against the same method at the base interval (paired by seed and window)
+    for x in out:  # against the same method at the base interval (paired by seed and window), each at its best lr
         same = [y for y in out if (y["method"], y["budget"], y["sync_steps"]) ==
                 (x["method"], x["budget"], p.spes.sync_steps)]
         x["diff_to_base_interval"], x["diff_to_base_interval_se"] = None, None
         if runs is not None and same:
-            mine, base = ([r for (v, b, _), rs in runs.items() if v == y["variant"] and b == y["budget"] for r in rs]
-                          for y in (x, same[0]))
-            x["diff_to_base_interval"], x["diff_to_base_interval_se"] = paired_difference(mine, base)
+            base = same[0]
+            x["diff_to_base_interval"], x["diff_to_base_interval_se"] = paired_difference(
+                runs[(x["variant"], x["budget"], x["lr"])], runs[(base["variant"], base["budget"], base["lr"])])
     return sorted(out, key=lambda x: (x["budget"], x["method"], x["sync_steps"]))
 
 

@@ -27,6 +27,14 @@ def _tick(v: float) -> str:
     return f"{v:.4g}"
 
 
+def series_of(rows: list[dict], label, x: str, y: str) -> dict[str, list[tuple[float, float]]]:
+    """{label(row): [(row[x], row[y]), ...]} of table rows, in the rows' order: the lines of one plot."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for row in rows:
+        out.setdefault(label(row), []).append((row[x], row[y]))
+    return out
+
+
 def line_plot_svg(series: dict[str, list[tuple[float, float]]], title: str, xlabel: str, ylabel: str,
                   empty_note: str = "no points") -> str:
     """One line per series (points sorted by x; non-finite y left out), shared axes, a legend; an SVG text.

@@ -169,7 +169,7 @@ class NodeStateDir:
         drop = [n for n in self.local.list_names("rounds") if not (n.isdigit() and int(n) in rounds)]
         for name in drop:
             self.local.remove(f"rounds/{name}")
-        had_base = self.local.is_committed("base") or os.path.isdir(os.path.join(self.path, "base"))
+        had_base = os.path.isdir(os.path.join(self.path, "base"))
         self.local.remove("base")
         return bool(drop) or had_base
 

@@ -274,11 +274,12 @@ def capacity_plan(cfg: ModelConfig, s: SpesConfig, memories: list[int], ranks: i
         raise ConfigError("a capacity plan needs an MoE model (model.num_experts >= 1)")
     if not memories:
         raise ConfigError("--nodes: name at least one node's memory, e.g. 24GiB,48GiB")
+    owning = {k: plan_owning(cfg, s, k, ranks) for k in range(1, e + 1)}  # the same for every node
     caps = []
     for i, mem in enumerate(memories):
-        fits = [k for k in range(1, e + 1) if plan_owning(cfg, s, k, ranks)["peak_bytes"] <= mem]
+        fits = [k for k, m in owning.items() if m["peak_bytes"] <= mem]
         if not fits:
-            one = plan_owning(cfg, s, 1, ranks)
+            one = owning[1]
             raise ConfigError(f"node {i} ({_gib(mem)}): owning even one expert per layer needs "
                               f"{_gib(one['peak_bytes'])} per GPU, its frozen experts alone "
                               f"{_gib(one['frozen_params'] * DTYPE_BYTES[s.frozen_dtype])}")
@@ -289,8 +290,8 @@ def capacity_plan(cfg: ModelConfig, s: SpesConfig, memories: list[int], ranks: i
                           "owner and every node at least one expert")
     level = next(t for t in range(1, e + 1) if sum(min(c, t) for c in caps) >= e)
     counts = [min(c, level) for c in caps]
-    for i in reversed(range(len(counts))):  # give back the excess from the last nodes at the level
-        while sum(counts) > e and counts[i] == level and counts[i] > 1:
+    for i in reversed(range(len(counts))):  # give back the excess, one each from the last nodes at the level
+        if sum(counts) > e and counts[i] == level and counts[i] > 1:
             counts[i] -= 1
     starts = [sum(counts[:i]) for i in range(len(counts))]
     ownership = [list(range(a, a + c)) for a, c in zip(starts, counts)]
