@@ -177,9 +177,10 @@ def _state_of(flow_run_id):
         return None
 
 
-def check_node_deployments(p: Params) -> None:
+def check_node_deployments(p: Params, nodes=None) -> None:
     """Before any round (executor deployment): a Prefect API the node machines can reach, and each node's
-    deployment there with a live runner; one line naming what is missing."""
+    deployment there with a live runner; one line naming what is missing. `nodes`: the run's current members
+    (default: the initial plan's)."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
@@ -188,7 +189,7 @@ def check_node_deployments(p: Params) -> None:
                          "reach this process's temporary Prefect server; start one (prefect server start --host "
                          "0.0.0.0) and export PREFECT_API_URL=http://<this machine>:4200/api here and on every "
                          "node machine", retryable=False)
-    nodes = range(sync_method(p.spes).nodes)
+    nodes = range(sync_method(p.spes).nodes) if nodes is None else nodes
     names = sorted({node_deployment(p.orchestration.node_deployment, i) for i in nodes})
     missing, idle = [], []
     with get_client(sync_client=True) as client:

@@ -4,6 +4,8 @@ process (`pipelines/node_worker.py`) or of a `spes-node` deployment worker (`pip
   {"kill": {"round": 2, "node": 1, "after_step": 3}}   SIGKILL once (a marker file makes it fire once)
   {"slow": {"round": 2, "node": 1, "seconds": 5}}        sleep before every step (a straggler)
   {"corrupt": {"round": 2, "node": 0}}                   truncate the node's committed upload once
+  {"dead": {"node": 2, "from_round": 3}}                 SIGKILL at the first step of every try from that round
+                                                         on (a machine gone for good)
 
 each optionally limited to one run with "run": "<name>".
 """
@@ -21,9 +23,9 @@ ENV = "SPES_FAULT_PLAN"
 
 class FaultPlan:
     def __init__(self, plan: dict):
-        unknown = set(plan) - {"kill", "slow", "corrupt"}
+        unknown = set(plan) - {"kill", "slow", "corrupt", "dead"}
         if unknown:
-            raise ValueError(f"{ENV}: unknown fault kinds {sorted(unknown)} (known: kill, slow, corrupt)")
+            raise ValueError(f"{ENV}: unknown fault kinds {sorted(unknown)} (known: kill, slow, corrupt, dead)")
         self.plan = plan
 
     @classmethod
@@ -53,10 +55,14 @@ class FaultPlan:
     def hook(self, run: str, r: int, node: int) -> Optional[Callable[[int], None]]:
         """A per-step callback for node_round, or None when nothing applies to this node and round."""
         kill, slow = self._applies("kill", run, r, node), self._applies("slow", run, r, node)
-        if not (kill or slow):
+        dead = self.plan.get("dead")
+        dead = dead if dead and dead["node"] == node and r >= dead["from_round"] and dead.get("run", run) == run else None
+        if not (kill or slow or dead):
             return None
 
         def on_step(i: int) -> None:
+            if dead:
+                os.kill(os.getpid(), signal.SIGKILL)
             if kill and i == kill.get("after_step", 0) and self._once(f"killed-{run}-r{r}-n{node}"):
                 os.kill(os.getpid(), signal.SIGKILL)
             if slow:

@@ -29,6 +29,19 @@ def fmt_loss(x: Optional[float]) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4g}"
 
 
+def fmt_experts(experts) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out, run = [], []
+    for e in sorted(experts):
+        if run and e != run[-1] + 1:
+            out.append(run)
+            run = []
+        run.append(e)
+    if run:
+        out.append(run)
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in out) or "none"
+
+
 def load_balance(counts_LE: list[list[int]]) -> list[float]:
     """Per layer: max over experts of the routed rows / their mean (1.0 when every expert gets the same)."""
     out = []

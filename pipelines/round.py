@@ -24,7 +24,7 @@ from prefect.futures import wait
 
 from pipelines import stopping
 from pipelines.deployment_nodes import run_on_deployment
-from pipelines.formatting import fmt_balance, fmt_bytes, fmt_loss, fmt_seconds
+from pipelines.formatting import fmt_balance, fmt_bytes, fmt_experts, fmt_loss, fmt_seconds
 from pipelines.node_pool import POOL
 from pipelines.request import NodeRequest
 from pipelines.round_progress import RoundProgress
@@ -32,13 +32,12 @@ from spes.config.loader import to_dict
 from spes.config.schema import Params
 from spes.errors import retryable
 from spes.round.aggregator import Aggregator
-from spes.round.driver import HeldOutProbe, run_round
+from spes.round.driver import HeldOutProbe, round_members, run_round
 from spes.round.node import committed_report
 from spes.round.progress_line import parse_progress
 from spes.run.records import GlobalMeta, NodeReport, RoundRecord
 from spes.run.run import Run
 from spes.storage.store import Store
-from spes.sync.methods import sync_method
 
 
 def artifact_key(*parts: Any) -> str:
@@ -114,14 +113,24 @@ def _aggregator(p: Params, run: str) -> Aggregator:
     return _AGGREGATORS[key]
 
 
-def _table(rows: list[NodeReport]) -> list[dict]:
-    """The round's table in the UI, for people; the raw numbers are in the round's record on storage."""
-    return [{"node": n.node, "status": n.status + (f": {n.error}" if n.error else ""),
+def _table(rows: list[NodeReport], agg: GlobalMeta) -> list[dict]:
+    """The round's table in the UI, for people; the raw numbers are in the round's record on storage. `experts`:
+    what the node trained this round, and what it trains next round where that changes."""
+    after = agg.membership.owners if agg.membership is not None else {}
+
+    def experts(n: NodeReport) -> str:
+        now = fmt_experts(n.upload.experts) if n.upload else "-"
+        if n.upload and n.node in after and sorted(after[n.node]) != sorted(n.upload.experts):
+            return f"{now}, then {fmt_experts(after[n.node])}"
+        return now if n.node in after or not agg.membership else f"{now}, then none (no longer a member)"
+
+    return [{"node": n.node, "experts": experts(n), "status": n.status + (f": {n.error}" if n.error else ""),
              "loss": fmt_loss(n.upload.loss_mean if n.upload else None), "tokens": f"{n.tokens:,}",
              "up": fmt_bytes(n.bytes_up), "down": fmt_bytes(n.bytes_down),
              "time": fmt_seconds(n.upload.seconds_load + n.upload.seconds_compute if n.upload else None),
              "expert load max/mean per layer": fmt_balance(n.upload.expert_load if n.upload else [])}
-            for n in rows]
+            for n in rows] + [{"node": j, "experts": f"joins: {fmt_experts(e)} from the next round"}
+                              for j, e in sorted(after.items()) if j not in {n.node for n in rows}]
 
 
 def _node_runner(p: Params, run: str, r: int, deadline: float, tokens_key):
@@ -145,14 +154,18 @@ def _node_runner(p: Params, run: str, r: int, deadline: float, tokens_key):
 @task(task_run_name="round-{r}")
 def round_task(p: Params, run: str, r: int, checkpoint: bool = False, tokens_key: Optional[str] = None) -> RoundRecord:
     deadline = time.time() + p.orchestration.round_timeout_s
-    RoundProgress.start(artifact_key(run, "round", r, "progress"), run, r, sync_method(p.spes).nodes)
+    handle = Run(Store.from_config(p.storage), run)
+    RoundProgress.start(artifact_key(run, "round", r, "progress"), run, r, len(round_members(p, handle, r)))
     aggregate = aggregate_task.with_options(retries=p.storage.retries, retry_delay_seconds=2,
                                             retry_condition_fn=worth_retrying)
-    record = run_round(p, Run(Store.from_config(p.storage), run), r, _node_runner(p, run, r, deadline, tokens_key),
+    record = run_round(p, handle, r, _node_runner(p, run, r, deadline, tokens_key),
                        lambda rerun: aggregate(p, run, r, rerun), checkpoint, HeldOutProbe(p))
     agg, heldout = record.aggregate, record.heldout_loss
-    create_table_artifact(_table(record.nodes), key=artifact_key(run, "round", r),
-                          description=f"Round {r}: contributors {agg.contributors}, missing {agg.missing}, "
+    for line in agg.membership_changes:
+        get_run_logger().warning("round %d: %s", r, line)
+    changes = f"; membership: {'; '.join(agg.membership_changes)}" if agg.membership_changes else ""
+    create_table_artifact(_table(record.nodes, agg), key=artifact_key(run, "round", r),
+                          description=f"Round {r}: contributors {agg.contributors}, missing {agg.missing}{changes}, "
                                       f"merge alpha {agg.merge_alpha:.4g}, held-out loss {fmt_loss(heldout)}, "
                                       f"wall {fmt_seconds(record.wall_s)} (+ {fmt_seconds(record.heldout_s)} "
                                       "held-out evaluation)")

@@ -23,7 +23,8 @@ from pipelines.round import artifact_key, round_task
 from spes.config.loader import load_params, to_dict
 from spes.config.schema import Params
 from spes.data.tokens import TokenData, check_vocab
-from spes.round.driver import checkpoint_due, resume_point
+from spes.errors import IntegrityError, RecordError
+from spes.round.driver import checkpoint_due, resume_point, round_members
 from spes.round.node import node_state_root
 from spes.run.identity import InitModel, fingerprinted, legacy_fingerprint, settings_fingerprint
 from spes.run.layout import tokens_dir
@@ -69,9 +70,9 @@ def spes_training(params_path: str = "params.yaml", overrides: Optional[list[str
     run = p.orchestration.run_name
     if not run_name:
         _rename_flow_run(run, stage, resume_round)
-    if p.orchestration.executor == "deployment":
-        check_node_deployments(p)  # before the lease and any round: the API and every node's runner
     store = Store.from_config(p.storage)
+    if p.orchestration.executor == "deployment":  # before the lease and any round: the API and each member's runner
+        check_node_deployments(p, _current_members(p, Run(store, run)))
     with RunLease(store, run, p.orchestration.lock_ttl_s) as lease:
         try:
             return _run_rounds(p, Run(store, run), lease, stage, resume_round, init_path, on_mismatch)
@@ -133,6 +134,15 @@ class HeldOutCurve:
             return False
         self.points.append((rec.round, self.tokens, rec.heldout_loss))
         return True
+
+
+def _current_members(p: Params, run: Run) -> Optional[list[int]]:
+    """The nodes of the run's next round (its latest committed global's membership); None before round 0."""
+    try:
+        latest = run.latest_round()
+        return round_members(p, run, latest + 1) if latest is not None else None
+    except (IntegrityError, RecordError):  # a damaged latest round: set aside by the flow, then checked again
+        return None
 
 
 def _run_rounds(p: Params, run: Run, lease: RunLease, stage: str, resume_round, init_path, on_mismatch) -> dict:

@@ -109,6 +109,10 @@ class UploadsRejected(ProtocolError):
         super().__init__("rejected uploads: " + "; ".join(f"node {i}: {m}" for i, m in sorted(nodes.items())))
 
 
+class MembershipError(ProtocolError, ValueError):
+    """A join or leave that cannot be: an id in use, an unknown node, the last member leaving."""
+
+
 class NodeStateError(ProtocolError):
     """The node state a round needs is missing, foreign or damaged."""
 

@@ -174,6 +174,10 @@ def _check_orchestration(p: Params) -> None:
     check_name(o.run_name, "orchestration.run_name")
     mn = o.min_nodes
     _need(mn is None or 1 <= mn <= s.num_nodes, f"orchestration.min_nodes ({mn}) must be in [1, spes.num_nodes={s.num_nodes}]")
+    _need(o.evict_after_rounds >= 0, f"orchestration.evict_after_rounds must be >= 0, got {o.evict_after_rounds}")
+    _need(o.evict_after_rounds == 0 or (mn is not None and mn < s.num_nodes),
+          "orchestration.evict_after_rounds needs orchestration.min_nodes below spes.num_nodes: with a quorum of "
+          "every member, a round a node misses fails before the node can be evicted")
     _need(bool(DEVICE_PATTERN.fullmatch(o.device)), f"orchestration.device must be auto|cpu|cuda|cuda:K, got {o.device!r}")
     _need(o.executor in ("process", "deployment"), f"orchestration.executor must be process|deployment, got {o.executor!r}")
     _need(o.threads_per_node is None or o.threads_per_node >= 1,

@@ -68,3 +68,65 @@ class Ownership:
             if expert in experts:
                 return node
         raise OwnershipError(f"expert {expert} has no owner")
+
+
+Owners = dict[int, tuple[int, ...]]
+"""node id -> the experts it trains (a run's ownership in one round; node ids need not be contiguous)."""
+
+
+def owners_of(own: Ownership) -> Owners:
+    """The initial plan as a map: node i (0..N-1) -> its experts."""
+    return {i: tuple(e) for i, e in enumerate(own.experts_per_node)}
+
+
+def check_owners(owners: Owners, num_experts: int) -> None:
+    """Every expert has exactly one owner, or OwnershipError naming the first that has not."""
+    seen: dict[int, int] = {}
+    for node in sorted(owners):
+        for e in owners[node]:
+            if not 0 <= e < num_experts:
+                raise OwnershipError(f"ownership: node {node} lists expert {e}, outside [0, {num_experts})")
+            if e in seen:
+                raise OwnershipError(f"ownership: expert {e} is owned by nodes {seen[e]} and {node}")
+            seen[e] = node
+    missing = sorted(set(range(num_experts)) - set(seen))
+    if missing:
+        raise OwnershipError(f"ownership: experts {missing} have no owner")
+
+
+def without_node(owners: Owners, leaver: int) -> tuple[Owners, dict[int, int]]:
+    """The ownership once `leaver` is gone: each of its experts (lowest id first) goes to the survivor that
+    owns the fewest experts then (ties: the lowest node id), so counts stay balanced. Returns (new owners,
+    {expert: its new owner})."""
+    if leaver not in owners:
+        raise OwnershipError(f"node {leaver} is not a member (members: {sorted(owners)})")
+    rest = {n: list(e) for n, e in owners.items() if n != leaver}
+    if not rest:
+        raise OwnershipError(f"node {leaver} is the run's last member: its experts would have no owner")
+    moved = {}
+    for e in sorted(owners[leaver]):
+        to = min(rest, key=lambda n: (len(rest[n]), n))
+        rest[to].append(e)
+        moved[e] = to
+    return {n: tuple(sorted(x)) for n, x in rest.items()}, moved
+
+
+def with_node(owners: Owners, joiner: int) -> tuple[Owners, dict[int, int]]:
+    """The ownership once `joiner` is in: it takes one expert at a time (the donor's highest id) from the
+    member that owns the most (ties: the lowest node id) while that evens the counts out, so no member keeps
+    more than one expert above the joiner. Returns (new owners, {expert: its former owner})."""
+    if joiner in owners:
+        raise OwnershipError(f"node {joiner} is already a member (members: {sorted(owners)})")
+    out = {n: list(e) for n, e in owners.items()}
+    mine: list[int] = []
+    taken = {}
+    while out:
+        donor = max(out, key=lambda n: (len(out[n]), -n))
+        if len(out[donor]) <= len(mine) + 1:
+            break
+        e = max(out[donor])
+        out[donor].remove(e)
+        mine.append(e)
+        taken[e] = donor
+    out[joiner] = mine
+    return {n: tuple(sorted(x)) for n, x in out.items()}, taken

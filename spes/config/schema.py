@@ -351,7 +351,11 @@ class OrchestrationConfig:
     round_timeout_s: float = 900.0
     """Nodes not committed by then are left out of the round (quorum permitting)."""
     min_nodes: Optional[int] = None
-    """Quorum; None = all nodes."""
+    """Quorum; None = all members."""
+    evict_after_rounds: int = 0
+    """A member that misses this many rounds in a row is evicted at the end of the last of them: its experts go
+    to the other members (spes/run/membership.py), who train them from the next round on. 0 = never: its
+    experts stay at their last committed value while it is away."""
     log_every_steps: int = 10
     """Each node logs its step, loss, tokens/s and the seconds left in the round every this many steps
     (relayed to its node task's log in the Prefect UI); 0 = never."""

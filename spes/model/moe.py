@@ -122,14 +122,18 @@ class Experts(nn.Module):
         self.chunks = nn.ModuleList([ExpertChunk(0, num_experts, gate_up, down, True)])
 
     # -- ownership ------------------------------------------------------------------------------
-    def set_trainable(self, owned: Iterable[int], frozen_dtype: torch.dtype = torch.float32) -> None:
-        """Re-chunk so that `owned` experts are trainable and all others frozen (values kept)."""
+    def set_trainable(self, owned: Iterable[int], frozen_dtype: torch.dtype = torch.float32,
+                      group_of: Optional[dict[int, object]] = None) -> None:
+        """Re-chunk so that `owned` experts are trainable and all others frozen (values kept). `group_of`
+        (expert -> a label, e.g. its optimizer's step count) keeps experts of different labels in different
+        chunks: an optimizer keeps one step count per chunk."""
         owned_set = set(owned)
         gate_up, down = self.full_weights()
         flags = [e in owned_set for e in range(self.num_experts)]
+        group = [(group_of or {}).get(e) if flags[e] else None for e in range(self.num_experts)]
         chunks, start = [], 0
         for e in range(1, self.num_experts + 1):
-            if e == self.num_experts or flags[e] != flags[start]:
+            if e == self.num_experts or flags[e] != flags[start] or group[e] != group[start]:
                 dtype = gate_up.dtype if flags[start] else frozen_dtype
                 chunks.append(ExpertChunk(start, e, gate_up[start:e].clone().to(dtype),
                                           down[start:e].clone().to(dtype), flags[start]))

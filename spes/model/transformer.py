@@ -201,9 +201,9 @@ class CausalLM(nn.Module):
     def moe_layers(self) -> list[MoE]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
 
-    def set_trainable_experts(self, owned, frozen_dtype: torch.dtype = torch.float32) -> None:
+    def set_trainable_experts(self, owned, frozen_dtype: torch.dtype = torch.float32, group_of=None) -> None:
         for moe in self.moe_layers():
-            moe.experts.set_trainable(owned, frozen_dtype)
+            moe.experts.set_trainable(owned, frozen_dtype, group_of)
 
     # -- canonical (chunk-free) weights: the format on storage and for HF export ---------------------
     def canonical_state_dict(self) -> dict[str, torch.Tensor]:

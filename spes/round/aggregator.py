@@ -31,7 +31,8 @@ from spes.errors import (
 )
 from spes.model.names import EXPERT_TENSORS, expert_kind
 from spes.run.layout import MODEL_FILE, OUTER_FILE, RESIDUAL_FILE, RunLayout
-from spes.run.records import DeltaMeta, ExpertRef, GlobalMeta, UploadMeta
+from spes.run.membership import membership_of, next_membership, read_requests, stamp
+from spes.run.records import DeltaMeta, ExpertRef, GlobalMeta, Membership, UploadMeta
 from spes.run.run import Run, next_index
 from spes.storage.store import BundleWriter, Store
 from spes.sync.codecs import make_codec
@@ -71,9 +72,12 @@ def _shapes(entry: dict) -> dict[str, tuple[int, ...]]:
     return {n: tuple(t["shape"]) for n, t in entry["tensors"].items()}
 
 
-def _check_upload(m: UploadMeta, r: int, node: int, base_sha: str, codec: str) -> Optional[str]:
+def _check_upload(m: UploadMeta, r: int, node: int, base_sha: str, codec: str, experts: list[int],
+                  sparse: bool) -> Optional[str]:
     if m.round != r or m.node != node:
         return f"upload says round {m.round} node {m.node}"
+    if sparse and sorted(m.experts) != sorted(experts):
+        return f"it trained experts {m.experts}, round {r}'s ownership gives node {node} experts {experts}"
     if m.base_sha256 != base_sha:
         return (f"its delta is against global {m.base_round} ({m.base_sha256[:12]}), not the committed global "
                 f"{r - 1} ({base_sha[:12]})")
@@ -86,7 +90,7 @@ class _Round:
     """One attempt at aggregating round r from a set of contributors."""
 
     def __init__(self, p: Params, store: Store, layout: RunLayout, r: int, prev: dict, prev_meta: GlobalMeta,
-                 uploads: dict[int, dict], metas: dict[int, UploadMeta], held: Optional[dict]):
+                 membership: Membership, uploads: dict[int, dict], metas: dict[int, UploadMeta], held: Optional[dict]):
         s = p.spes
         self.p, self.s, self.store, self.layout, self.r = p, s, store, layout, r
         self.method = sync_method(s)
@@ -95,21 +99,21 @@ class _Round:
         self.nodes = sorted(uploads)
         self.weights = node_weights([metas[i].tokens for i in self.nodes], s.token_weighted)
         num_experts = prev_meta.model_config["num_experts"]
-        self.own = self.method.ownership(num_experts) if num_experts else None
+        self.owners = membership.owners
         self.alpha = self.method.merge_alpha(r * s.sync_steps, num_experts)
         self.merging = self.alpha > 0
         self.shapes = _shapes(prev["files"][MODEL_FILE])
         self.feedback = p.sync.error_feedback and not self.codec.exact
 
     def rows(self, owner: int) -> list[int]:
-        return list(self.own.owned(owner))
+        return list(self.owners[owner])
 
     def run(self) -> tuple[BundleWriter, BundleWriter, dict[str, list[int]]]:
         """Write the delta and global bundles (uncommitted); returns their writers and the expert files."""
         prev_files = self.prev["files"]
         averaged = {n: sh for n, sh in self.shapes.items() if self.method.is_averaged(n)}
         expert_names = {n: sh for n, sh in self.shapes.items() if n not in averaged}
-        owners = [j for j in range(self.method.nodes) if self.merging or j in self.uploads] if expert_names else []
+        owners = [j for j in sorted(self.owners) if self.merging or j in self.uploads] if expert_names else []
         self.new_model: dict[str, torch.Tensor] = {}
         delta = BundleWriter(self.store, self.layout.delta_dir(self.r))
         glob = BundleWriter(self.store, self.layout.global_dir(self.r))
@@ -263,11 +267,13 @@ class Aggregator:
         log.error("round %d: upload of node %d rejected (%s); moved to %s", r, node, why, dest)
         self.store.move(self.layout.node_dir(r, node), dest)
 
-    def _uploads(self, r: int, base_sha: str, rejected: dict[int, str]) -> tuple[dict[int, dict], dict[int, UploadMeta]]:
-        """The committed uploads of round r that fit, as (manifests, their parsed metas); the others go to
-        `rejected` with the reason."""
+    def _uploads(self, r: int, base_sha: str, membership: Membership,
+                 rejected: dict[int, str]) -> tuple[dict[int, dict], dict[int, UploadMeta]]:
+        """The committed uploads of round r's members that fit, as (manifests, their parsed metas); the others
+        go to `rejected` with the reason."""
         uploads, metas = {}, {}
-        for i in range(sync_method(self.p.spes).nodes):
+        sparse = sync_method(self.p.spes).sparse_experts
+        for i in membership.members:
             rel = self.layout.node_dir(r, i)
             try:
                 m = self.store.read_manifest(rel)
@@ -277,7 +283,7 @@ class Aggregator:
             except (IntegrityError, RecordError) as e:
                 rejected[i] = str(e)
                 continue
-            why = _check_upload(meta, r, i, base_sha, self.p.sync.codec)
+            why = _check_upload(meta, r, i, base_sha, self.p.sync.codec, membership.owners[i], sparse)
             if why:
                 rejected[i] = f"{self.store.url}/{rel}: {why}"
             else:
@@ -299,9 +305,12 @@ class Aggregator:
         prev = store.read_manifest(prev_rel)
         prev_meta = GlobalMeta.from_json(prev["meta"], f"{store.url}/{prev_rel}")
         base_sha = prev["files"][MODEL_FILE]["sha256"]
-        need = min(min_nodes if min_nodes is not None else method.nodes, method.nodes)
+        num_experts = prev_meta.model_config.get("num_experts", 0)
+        membership = membership_of(prev_meta, method, num_experts)
+        members = membership.members
+        need = min(min_nodes if min_nodes is not None else len(members), len(members))
         rejected: dict[int, str] = {}
-        uploads, metas = self._uploads(r, base_sha, rejected)
+        uploads, metas = self._uploads(r, base_sha, membership, rejected)
         while True:
             for i in list(rejected):
                 if i in uploads or store.exists(layout.node_dir(r, i)):
@@ -312,8 +321,9 @@ class Aggregator:
             if len(uploads) < need:
                 raise QuorumError(f"round {r}: only nodes {sorted(uploads)} committed"
                                   + (f" ({len(rejected)} rejected)" if rejected else "")
-                                  + f", quorum is {need} of {method.nodes}")
-            attempt = _Round(p, store, layout, r, prev, prev_meta, uploads, metas, self._take_held(r - 1, base_sha))
+                                  + f", quorum is {need} of {len(members)} (members {members})")
+            attempt = _Round(p, store, layout, r, prev, prev_meta, membership, uploads, metas,
+                             self._take_held(r - 1, base_sha))
             try:
                 with _one_torch_thread():
                     delta, glob, expert_files = attempt.run()
@@ -324,16 +334,24 @@ class Aggregator:
         states = dict(prev_meta.node_states)
         for i in uploads:
             states[i] = metas[i].state
+        change = next_membership(membership, method, num_experts, r, sorted(uploads),
+                                 read_requests(store, layout), p.orchestration.evict_after_rounds)
+        for i in change.departed:  # a node that comes back joins anew, from a fresh state
+            states.pop(i, None)
+        for line in change.changes:
+            log.warning("round %d: %s", r, line)
         delta.commit(DeltaMeta(round=r, base_round=r - 1, base_sha256=base_sha, global_sha256=new_sha,
                                codec=p.sync.codec, expert_files=expert_files, merged=attempt.merging).to_json())
         meta = GlobalMeta(
             round=r, step=r * s.sync_steps, method=method.name, model_config=prev_meta.model_config,
-            contributors=sorted(uploads), missing=[i for i in range(method.nodes) if i not in uploads],
+            contributors=sorted(uploads), missing=[i for i in members if i not in uploads],
             rejected=rejected, merge_alpha=attempt.alpha, merged=attempt.merging,
             node_loss={i: metas[i].loss_mean for i in uploads}, node_states=states,
             codec=p.sync.codec, seconds_aggregate=time.perf_counter() - t0,
             index=next_index(prev_meta.index or Run(store, self.run).index(r - 1), r, states),
-            run_id=prev_meta.run_id, fingerprint=prev_meta.fingerprint, total_steps=s.total_steps)
+            run_id=prev_meta.run_id, fingerprint=prev_meta.fingerprint, total_steps=s.total_steps,
+            membership=change.membership, membership_changes=change.changes)
+        stamp(store, layout, change.stamped)  # before the commit: a retry or a recomputed round applies them at r
         glob.commit(meta.to_json())
         self._held = ((r, new_sha), attempt.new_model)
         return meta

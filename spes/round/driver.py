@@ -17,6 +17,7 @@ from spes.config.schema import Params
 from spes.data.tokens import TokenData
 from spes.errors import QuorumError, UploadsRejected
 from spes.eval.heldout import heldout_loss
+from spes.run.membership import membership_of
 from spes.run.records import GlobalMeta, NodeReport, RoundRecord
 from spes.run.run import Run
 from spes.sync.methods import sync_method
@@ -84,11 +85,17 @@ def _align_schedule(p: Params, run: Run) -> None:
                     old_total, moved, keep)
 
 
+def round_members(p: Params, run: Run, r: int) -> list[int]:
+    """The nodes that train round r: its membership, recorded in global r-1 (spes/run/membership.py)."""
+    meta = run.global_meta(r - 1)
+    return membership_of(meta, sync_method(p.spes), meta.model_config.get("num_experts", 0)).members
+
+
 def run_round(p: Params, run: Run, r: int, run_nodes: NodeRunner, aggregate: Aggregate, checkpoint: bool,
               heldout: Optional[Callable[[Run, int], float]] = None) -> RoundRecord:
     """Round r from start to record (see the module docstring); returns its record."""
     t0 = time.time()
-    rows = run_nodes(list(range(sync_method(p.spes).nodes)), checkpoint)
+    rows = run_nodes(round_members(p, run, r), checkpoint)
     try:
         try:
             agg = aggregate(True)

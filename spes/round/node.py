@@ -21,11 +21,13 @@ import torch
 
 from spes.config.schema import Params, model_for_training
 from spes.data.tokens import BatchStream, TokenData
-from spes.errors import NonFiniteLoss, ProtocolError, StorageError
+from spes.errors import MembershipError, NonFiniteLoss, ProtocolError, StorageError
+from spes.model.names import is_expert_param
 from spes.model.transformer import CausalLM
 from spes.round.fetch import fetch_global
 from spes.round.progress_line import progress_line
 from spes.run.layout import RunLayout
+from spes.run.membership import membership_of
 from spes.run.node_state import NodeState, NodeStateDir
 from spes.run.records import GlobalMeta, NodeReport, StateRef, UploadMeta
 from spes.run.run import Run
@@ -35,6 +37,7 @@ from spes.sync.deltas import EXPERTS_FILE, encode_upload, experts_file
 from spes.sync.methods import sync_method
 from spes.train.devices import resolve_device
 from spes.train.distributed import broadcast_object, broadcast_tensors, rank_and_size, shards_node
+from spes.train.expert_state import expert_steps, remap_rows
 from spes.train.trainer import NodeTrainer, build_node_trainer
 
 log = logging.getLogger("spes.round.node")
@@ -91,6 +94,12 @@ class RoundInputs:
     state: Optional[NodeState]
     ref: Optional[StateRef]
     local: NodeStateDir
+    owned: tuple[int, ...]
+    """The experts the node trains this round (round r's membership, in global r-1)."""
+    slot: int
+    """The share of the data it reads."""
+    position: int
+    """Its data position: its state's, or (no state: a new member) where its slot would be had it read every round."""
 
 
 _SWEPT: set = set()
@@ -170,6 +179,10 @@ def read_inputs(p: Params, store: Store, run: str, r: int, node: int, from_check
         _SWEPT.add((store.url, run, info["run_id"], node))
     prev_manifest = store.read_manifest(layout.global_dir(r - 1))
     prev_meta = GlobalMeta.from_json(prev_manifest["meta"], f"{store.url}/{layout.global_dir(r - 1)}")
+    membership = membership_of(prev_meta, sync_method(p.spes), prev_meta.model_config.get("num_experts", 0))
+    if node not in membership.owners:
+        raise MembershipError(f"node {node} is not a member of run {run!r} in round {r} (members "
+                              f"{membership.members}); to take part again: python -m spes.members join --node {node}")
     ref = prev_meta.node_states.get(node)
     if from_checkpoint and ref is not None and not ref.checkpoint and not local.has_state(ref):
         k, ref_k = Run(store, run).last_checkpointed_state(node, ref.round)
@@ -187,21 +200,40 @@ def read_inputs(p: Params, store: Store, run: str, r: int, node: int, from_check
                                   local.load_base, own_cached)
     if local.base() != (r - 1, prev_sha) and local.save_base(r - 1, prev) != prev_sha:
         raise StorageError(f"node {node}: global {r - 1} as held here does not hash to the committed {prev_sha[:12]}")
-    return RoundInputs(prev, prev_sha, prev_meta.model_config, state, ref, local)
+    owned = tuple(membership.owners[node])
+    if state is not None and state.owned is not None and state.owned != owned:
+        log.warning("node %d round %d: trains experts %s (was %s); the ones it took over start with a fresh "
+                    "optimizer state", node, r, list(owned), list(state.owned))
+    position = state.data_position if state is not None else (r - 1) * p.spes.sync_steps
+    return RoundInputs(prev, prev_sha, prev_meta.model_config, state, ref, local, owned, membership.slots[node],
+                       position)
 
 
-def _share(inputs: Optional[RoundInputs], sharded: bool) -> tuple[Optional[dict], dict, Optional[dict], int]:
-    """(global r-1, model config, optimizer tensors, data position) on every rank of the node. A sharded node
+@dataclass
+class Assignment:
+    """What every rank of the node needs to know about its round besides tensors."""
+
+    model_config: dict
+    position: int
+    owned: tuple[int, ...]
+    slot: int
+    expert_steps: dict[int, float]
+
+
+def _share(inputs: Optional[RoundInputs], sharded: bool) -> tuple[Optional[dict], Optional[dict], Assignment]:
+    """(global r-1, optimizer tensors, the round's assignment) on every rank of the node. A sharded node
     (fsdp) keeps the tensors on rank 0, which gives each rank its shards (None elsewhere)."""
     lead = inputs is not None
-    small = broadcast_object((inputs.model_config, inputs.state.data_position if inputs.state else 0,
+    small = broadcast_object((Assignment(inputs.model_config, inputs.position, inputs.owned, inputs.slot,
+                                         expert_steps(inputs.state.optim) if inputs.state else {}),
                               inputs.state is not None) if lead else None)
+    job, has_state = small
     if sharded:
-        optim = (inputs.state.optim if lead else None) if small[2] else {}
-        return (inputs.prev if lead else None), small[0], optim, small[1]
+        optim = (inputs.state.optim if lead else None) if has_state else {}
+        return (inputs.prev if lead else None), optim, job
     prev = broadcast_tensors(inputs.prev if lead else None)
-    optim = broadcast_tensors(inputs.state.optim if lead and inputs.state else None) if small[2] else {}
-    return prev, small[0], optim, small[1]
+    optim = broadcast_tensors(inputs.state.optim if lead and inputs.state else None) if has_state else {}
+    return prev, optim, job
 
 
 @dataclass
@@ -218,29 +250,37 @@ class Trained:
     seconds_compute: float
 
 
-def train(p: Params, r: int, node: int, data: TokenData, prev: dict, model_config: dict, optim: dict,
-          position: int, on_step: Optional[Callable[[int], None]] = None) -> Trained:
+def _data_stream(p: Params, data: TokenData, job: Assignment, batch: int) -> BatchStream:
+    """The node's batches: slot k < spes.num_nodes reads share k of each epoch; a slot beyond them (a node
+    that joined while every share was taken) samples windows at random, seeded by its slot, since the epoch
+    split is fixed at spes.num_nodes shares for the whole run."""
+    s, nodes = p.spes, sync_method(p.spes).nodes
+    order = p.data.order if job.slot < nodes else "random_windows"
+    return BatchStream(data.train, batch, s.seq_len, s.seed, job.slot, job.position, order=order, num_nodes=nodes)
+
+
+def train(p: Params, r: int, node: int, data: TokenData, prev: dict, optim: dict, job: Assignment,
+          on_step: Optional[Callable[[int], None]] = None) -> Trained:
     """Every rank: the node's `sync_steps` local steps from global r-1 (this rank's share of each batch)."""
     t0 = time.perf_counter()
     s, method = p.spes, sync_method(p.spes)
     rank, ranks = rank_and_size()
     device = resolve_device(p.orchestration.device, node * ranks + rank)
-    cfg = model_for_training(model_config, p.model)
+    cfg = model_for_training(job.model_config, p.model)
     if shards_node(p.spes.node_parallel):  # built without storage; each rank's shards come from rank 0's tensors
         with torch.device("meta"):
             model = CausalLM(cfg)
-        trainer = build_node_trainer(s, model, node, device)
+        trainer = build_node_trainer(s, model, node, device, job.owned, job.expert_steps)
         trainer.load_global(prev)
     else:
         model = CausalLM(cfg)
         model.load_canonical_state_dict(prev)
-        trainer = build_node_trainer(s, model.to(device), node)
+        trainer = build_node_trainer(s, model.to(device), node, None, job.owned, job.expert_steps)
     if optim is None or optim:  # None: a sharded node's rank other than 0, whose shards come from rank 0
         trainer.load_optimizer_tensors(optim)
     torch.manual_seed(node_seed(s.seed, node, r))
     batch = method.node_batch_size
-    stream = BatchStream(data.train, batch, s.seq_len, s.seed, node, position, order=p.data.order,
-                         num_nodes=method.nodes)
+    stream = _data_stream(p, data, job, batch)
     share = slice(rank * batch // ranks, (rank + 1) * batch // ranks)
     t_load = time.perf_counter() - t0
 
@@ -274,9 +314,13 @@ def commit(p: Params, store: Store, run: str, r: int, node: int, inputs: RoundIn
     _check_finite(t.losses, first_step, node, r, trained)
     state, local = inputs.state, inputs.local
     codec = make_codec(p.sync.codec, p.sync.int8_block)
-    files, residual = encode_upload(sync_method(s), codec, inputs.prev, trained, t.trainer.owned,
-                                    state.residual if state is not None else None, p.sync.error_feedback)
-    saved = local.save_state(r, t.position, optim, residual, files.get(EXPERTS_FILE, {}))
+    residual = state.residual if state is not None else None
+    if residual and state.owned is not None and state.owned != t.trainer.owned:  # expert rows follow the experts
+        residual = {n: remap_rows(v, state.owned, t.trainer.owned) if is_expert_param(n) else v
+                    for n, v in residual.items()}
+    files, residual = encode_upload(sync_method(s), codec, inputs.prev, trained, t.trainer.owned, residual,
+                                    p.sync.error_feedback)
+    saved = local.save_state(r, t.position, optim, residual, files.get(EXPERTS_FILE, {}), t.trainer.owned)
     if checkpoint:  # the same files, so the same digest: a resume can take it from either place
         store.remove(layout.state_dir(r, node))
         store.write_bundle(layout.state_dir(r, node), saved["files"], saved["meta"])
@@ -319,8 +363,8 @@ def node_round(p: Params, store: Store, run: str, r: int, node: int, data: Token
         return done
     read0, written0 = store.bytes_read, store.bytes_written
     inputs = read_inputs(p, store, run, r, node, from_checkpoint) if lead else None
-    prev, model_config, optim, position = _share(inputs, shards_node(p.spes.node_parallel))
-    t = train(p, r, node, data, prev, model_config, optim, position, on_step)
+    prev, optim, job = _share(inputs, shards_node(p.spes.node_parallel))
+    t = train(p, r, node, data, prev, optim, job, on_step)
     trained, optim = t.trainer.upload(), t.trainer.optimizer_tensors()  # every rank: gathers under fsdp
     if not lead:
         return None

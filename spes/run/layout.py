@@ -68,6 +68,11 @@ class RunLayout:
     def record_dir(self, r: int) -> str:
         return f"{self.round_dir(r)}/record"
 
+    @property
+    def membership_dir(self) -> str:
+        """Join and leave requests (spes/run/membership.py)."""
+        return f"{self.base}/membership"
+
     def heartbeat(self, node: int) -> str:
         """The node's heartbeat while it works on a round on another machine (spes/run/heartbeat.py)."""
         return f"{self.base}/heartbeats/{node:03d}.json"

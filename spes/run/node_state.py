@@ -54,6 +54,9 @@ class NodeState:
     experts_sha256: str
     digest: str
     source: str
+    owned: Optional[tuple[int, ...]] = None
+    """The experts the node trained in that round (the rows of its residual); None: states written before
+    ownership could change."""
 
 
 def run_folder(run: str, run_id: str) -> str:
@@ -77,9 +80,11 @@ class NodeStateDir:
         return f"rounds/{r:06d}"
 
     # -- node state after a round ------------------------------------------------------------------
-    def save_state(self, r: int, data_position: int, optim, residual, experts_upload) -> dict:
+    def save_state(self, r: int, data_position: int, optim, residual, experts_upload, owned=None) -> dict:
         files = {OPTIM_FILE: optim, RESIDUAL_FILE: residual, EXPERTS_FILE: experts_upload}
         meta = {"run_id": self.run_id, "node": self.node, "round": r, "data_position": data_position}
+        if owned is not None:
+            meta["owned"] = [int(e) for e in owned]
         rel = self.state_rel(r)
         if self.local.is_committed(rel):  # a state of a round no global used (see discard_after): replace it
             self.local.remove(rel)
@@ -101,9 +106,10 @@ class NodeStateDir:
         if state_digest(manifest) != digest:
             return None
         b = store.read_bundle(rel)
+        owned = manifest["meta"].get("owned")
         return NodeState(manifest["meta"]["round"], int(manifest["meta"]["data_position"]), b.files[OPTIM_FILE],
                          b.files[RESIDUAL_FILE], b.files[EXPERTS_FILE], manifest["files"][EXPERTS_FILE]["sha256"],
-                         digest, where)
+                         digest, where, tuple(owned) if owned is not None else None)
 
     def load_state(self, ref: StateRef, shared: Store, checkpoint_rel: str) -> NodeState:
         """The state `ref` names: from this machine, else the checkpoint on shared storage; anything else is

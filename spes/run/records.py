@@ -195,6 +195,21 @@ class RunIndex(Record):
 
 
 @dataclass
+class Membership(Record):
+    """Who trains what in the round built on a global: `owners` node id -> its experts (every expert has one
+    owner; the baselines' members own them all), `slots` node id -> the share of the data it reads,
+    `missed` node id -> rounds it has missed in a row (eviction counts them)."""
+
+    owners: dict[int, list[int]]
+    slots: dict[int, int]
+    missed: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def members(self) -> list[int]:
+        return sorted(self.owners)
+
+
+@dataclass
 class GlobalMeta(Record):
     round: int
     step: int
@@ -216,6 +231,11 @@ class GlobalMeta(Record):
     total_steps: int = 0
     """The learning-rate schedule's horizon (spes.rounds x sync_steps) this global was trained with; 0 = unknown."""
     fingerprint: str = ""
+    membership: Optional[Membership] = None
+    """Who trains what in round `round`+1 (None: globals written before membership was round state, and
+    round 0: the initial plan of the params, spes.num_nodes / spes.ownership)."""
+    membership_changes: list[str] = field(default_factory=list)
+    """What changed at this global (a node left, was evicted or joined; which experts moved), for people."""
     version: int = RECORD_VERSION
 
 

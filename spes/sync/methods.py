@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from spes.config.ownership import Ownership
+from spes.config.ownership import Owners, Ownership, owners_of, with_node, without_node
 from spes.config.schema import SpesConfig
 from spes.errors import ConfigError
 from spes.model.names import is_expert_param
@@ -85,6 +85,25 @@ class SyncMethod:
     def owned(self, node: int, num_experts: int) -> tuple[int, ...]:
         return self.ownership(num_experts).owned(node) if num_experts else ()
 
+    def initial_owners(self, num_experts: int) -> Owners:
+        """Round 1's members (0..nodes-1) and the experts each trains."""
+        return owners_of(self.ownership(num_experts))
+
+    def without_node(self, owners: Owners, leaver: int, num_experts: int) -> tuple[Owners, dict[int, int]]:
+        """(owners once `leaver` is gone, {expert: new owner} of what moved)."""
+        if leaver not in owners:
+            return without_node(owners, leaver)  # its error
+        rest = {n: e for n, e in owners.items() if n != leaver}
+        if not rest:
+            return without_node(owners, leaver)
+        return rest, {}
+
+    def with_node(self, owners: Owners, joiner: int, num_experts: int) -> tuple[Owners, dict[int, int]]:
+        """(owners once `joiner` is in, {expert: former owner} of what moved)."""
+        if joiner in owners:
+            return with_node(owners, joiner)  # its error
+        return {**owners, joiner: tuple(range(num_experts))}, {}
+
     def is_averaged(self, name: str) -> bool:
         """Whether the new value of canonical tensor `name` is a mean over nodes (else: taken from its owner)."""
         return True
@@ -137,6 +156,12 @@ class Spes(SyncMethod):
 
     def ownership(self, num_experts: int) -> Ownership:
         return Ownership.plan(num_experts, self.nodes, self.s.ownership)
+
+    def without_node(self, owners, leaver, num_experts):
+        return without_node(owners, leaver)
+
+    def with_node(self, owners, joiner, num_experts):
+        return with_node(owners, joiner)
 
     def is_averaged(self, name: str) -> bool:
         return not is_expert_param(name)

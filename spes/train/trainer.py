@@ -22,6 +22,7 @@ from spes.model.transformer import CausalLM, ModelOutput
 from spes.sync.methods import sync_method
 from spes.train.devices import AUTOCAST_DTYPES, autocast
 from spes.train.distributed import broadcast_object, rank_and_size, shards_node
+from spes.train.expert_state import KINDS, canonical_of_chunk, chunk_state, parse_ranged, ranged_name
 
 
 def stable_end(cfg: OptimConfig, total_steps: int) -> int:
@@ -66,7 +67,8 @@ class NodeTrainer:
     def __init__(self, model: CausalLM, owned: Iterable[int], optim: OptimConfig, total_steps: int,
                  frozen_dtype: torch.dtype = torch.float32, decayed_lb: bool = False,
                  autocast_dtype: Optional[str] = None, micro_batch_size: Optional[int] = None,
-                 parallel: str = "ddp", device: Optional[torch.device] = None):
+                 parallel: str = "ddp", device: Optional[torch.device] = None,
+                 expert_steps: Optional[dict[int, float]] = None):
         self.model, self.cfg, self.total_steps = model, optim, total_steps
         self.autocast_dtype = autocast_dtype
         self.micro_batch_size = micro_batch_size
@@ -75,7 +77,8 @@ class NodeTrainer:
         self.rank, self.ranks = rank_and_size()
         self.lead = self.rank == 0
         if model.cfg.is_moe:
-            model.set_trainable_experts(self.owned, frozen_dtype)
+            # experts with different Adam step counts (some taken over from another node) in different chunks
+            model.set_trainable_experts(self.owned, frozen_dtype, expert_steps)
         self.fsdp = shards_node(parallel)
         self.ddp = None
         if self.fsdp:
@@ -179,28 +182,57 @@ class NodeTrainer:
         return up if self.lead else {}
 
     # -- optimizer state as flat tensors (safetensors-friendly, no pickle) ---------------------------
+    def _stored_name(self, name: str) -> str:
+        """A trainable parameter's name in the stored state: expert chunks by the experts they hold
+        (spes/train/expert_state.py), so the state outlives a change of the chunks."""
+        canonical = canonical_of_chunk(name)
+        if canonical is None:
+            return name
+        chunk = self.model.get_submodule(name.rsplit(".", 1)[0])
+        return ranged_name(canonical, chunk.start, chunk.end)
+
     def optimizer_tensors(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for name, p in self.trainable_named_parameters():
             st = self.optimizer.state.get(p)
             if not st:
                 continue
-            out[f"{name}::exp_avg"] = self._full(st["exp_avg"])
-            out[f"{name}::exp_avg_sq"] = self._full(st["exp_avg_sq"])
-            out[f"{name}::step"] = torch.as_tensor(st["step"], dtype=torch.float64).cpu().reshape(1).clone()
+            key = self._stored_name(name)
+            out[f"{key}::exp_avg"] = self._full(st["exp_avg"])
+            out[f"{key}::exp_avg_sq"] = self._full(st["exp_avg_sq"])
+            out[f"{key}::step"] = torch.as_tensor(st["step"], dtype=torch.float64).cpu().reshape(1).clone()
         return out if self.lead else {}
+
+    def _states_by_param(self, tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+        """Trainable parameter name -> its stored {'step', 'exp_avg', 'exp_avg_sq'} (absent: starts fresh).
+        The shared parameters' must match exactly; experts given away are dropped, experts taken over are
+        absent."""
+        names = [n for n, _ in self.trainable_named_parameters()]
+        shared = {n for n in names if canonical_of_chunk(n) is None}
+        stored = {k.split("::")[0] for k in tensors}
+        legacy = {k for k in stored if canonical_of_chunk(k) is not None}  # names before ranged expert state
+        plain = {k for k in stored if parse_ranged(k) is None} - legacy
+        if (plain and plain != shared) or (legacy and legacy != set(names) - shared):
+            have = plain | legacy
+            want = shared | (set(names) - shared if legacy else set())
+            raise ValueError(f"optimizer state does not match this node's trainable parameters: "
+                             f"extra {sorted(have - want)[:3]}, missing {sorted(want - have)[:3]}")
+        out = {}
+        for n in names:
+            if n in stored:
+                out[n] = {"step": tensors[f"{n}::step"], **{k: tensors[f"{n}::{k}"] for k in KINDS}}
+            elif n not in shared:
+                canonical, chunk = canonical_of_chunk(n), self.model.get_submodule(n.rsplit(".", 1)[0])
+                st = chunk_state(tensors, canonical, chunk.start, chunk.end)
+                if st is not None:
+                    out[n] = st
+        return out
 
     def load_optimizer_tensors(self, tensors: Optional[dict[str, torch.Tensor]]) -> None:
         """Adam's state from `optimizer_tensors`' format (rank 0's; under fsdp the others pass None and get
-        their shards)."""
-        names = {n for n, _ in self.trainable_named_parameters()}
-        if tensors is not None:
-            stored = {k.split("::")[0] for k in tensors}
-            if stored and stored != names:
-                raise ValueError(f"optimizer state does not match this node's trainable parameters: "
-                                 f"extra {sorted(stored - names)[:3]}, missing {sorted(names - stored)[:3]}")
-        steps = None if tensors is None else \
-            {n: float(tensors[f"{n}::step"].item()) for n in names if f"{n}::step" in tensors}
+        their shards). Experts this node did not train before start with a fresh state."""
+        states = None if tensors is None else self._states_by_param(tensors)
+        steps = None if states is None else {n: float(st["step"].reshape(-1)[0].item()) for n, st in states.items()}
         if self.fsdp:
             from spes.train.sharding import scatter
 
@@ -209,11 +241,9 @@ class NodeTrainer:
             if name not in steps:
                 continue
             if self.fsdp:
-                moments = {k: scatter(tensors[f"{name}::{k}"] if self.lead else None, p)
-                           for k in ("exp_avg", "exp_avg_sq")}
+                moments = {k: scatter(states[name][k] if self.lead else None, p) for k in KINDS}
             else:
-                moments = {k: tensors[f"{name}::{k}"].to(device=p.device, dtype=p.dtype, copy=True)
-                           for k in ("exp_avg", "exp_avg_sq")}
+                moments = {k: states[name][k].to(device=p.device, dtype=p.dtype, copy=True) for k in KINDS}
             self.optimizer.state[p] = {"step": torch.tensor(steps[name]), **moments}
 
 
@@ -242,15 +272,18 @@ def _node_totals(ce: torch.Tensor, counts: Optional[torch.Tensor], tokens: int):
 FROZEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def build_node_trainer(s: SpesConfig, model: CausalLM, node: int, device: Optional[torch.device] = None) -> NodeTrainer:
-    """The trainer of node `node` under the run's settings: its own experts (by `spes.ownership` or contiguous
-    blocks; every expert for the baselines) trainable, the others frozen in `spes.frozen_dtype`; its ranks
-    (if several) working as `spes.node_parallel` says. `device`: where a model on the meta device goes."""
+def build_node_trainer(s: SpesConfig, model: CausalLM, node: int, device: Optional[torch.device] = None,
+                       owned: Optional[tuple[int, ...]] = None,
+                       expert_steps: Optional[dict[int, float]] = None) -> NodeTrainer:
+    """The trainer of node `node` under the run's settings: `owned` experts (default: the initial plan,
+    `spes.ownership` or contiguous blocks; every expert for the baselines) trainable, the others frozen in
+    `spes.frozen_dtype`; its ranks (if several) working as `spes.node_parallel` says. `device`: where a model
+    on the meta device goes; `expert_steps`: the stored Adam step count of each expert (chunks by count)."""
     cfg = model.cfg
-    own = sync_method(s).owned(node, cfg.num_experts)
+    own = sync_method(s).owned(node, cfg.num_experts) if owned is None else owned
     model.activation_checkpointing = s.activation_checkpointing == "block"
     if s.compile:
         for block in model.model.layers:
             block.compile()
     return NodeTrainer(model, own, s.optim, s.total_steps, FROZEN_DTYPES[s.frozen_dtype], s.decayed_lb, s.autocast,
-                       s.micro_batch_size, s.node_parallel, device)
+                       s.micro_batch_size, s.node_parallel, device, expert_steps)

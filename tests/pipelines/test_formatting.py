@@ -27,3 +27,9 @@ def test_sparkline_and_expert_load_heatmap():
     assert md.splitlines() == ["layer 0:", "```", "node 0 |░░▒▒▓▓██| 10.0 20.0 30.0 40.0",
                                "node 1 |████████| 25.0 25.0 25.0 25.0", "```"]
     assert load_heatmap({}) == "no expert load recorded"
+
+
+def test_expert_lists_as_ranges():
+    from pipelines.formatting import fmt_experts
+
+    assert fmt_experts([5, 0, 1, 2]) == "0-2, 5" and fmt_experts([3]) == "3" and fmt_experts([]) == "none"

@@ -30,3 +30,32 @@ def test_ownership_for_methods():
     assert sync_method(SpesConfig(method="diloco", num_nodes=2)).owned(1, 4) == (0, 1, 2, 3)
     with pytest.raises(OwnershipError, match="lists 3 nodes but spes.num_nodes is 2"):
         sync_method(SpesConfig(num_nodes=2, ownership=[[0], [1, 2], [3]])).ownership(4)
+
+
+def test_a_leavers_experts_go_to_the_least_loaded_survivors():
+    from spes.config.ownership import without_node
+
+    owners, moved = without_node({0: (0, 1), 1: (2, 3), 2: (4, 5)}, 2)
+    assert owners == {0: (0, 1, 4), 1: (2, 3, 5)} and moved == {4: 0, 5: 1}
+    assert without_node({0: (0,), 3: (1, 2, 3)}, 0)[0] == {3: (0, 1, 2, 3)}
+    with pytest.raises(OwnershipError, match="node 1 is the run's last member"):
+        without_node({1: (0, 1)}, 1)
+    with pytest.raises(OwnershipError, match=r"node 4 is not a member \(members: \[0, 1\]\)"):
+        without_node({0: (0,), 1: (1,)}, 4)
+
+
+def test_a_joiner_takes_from_the_most_loaded_until_counts_are_even():
+    from spes.config.ownership import with_node
+
+    owners, taken = with_node({0: (0, 1, 2), 1: (3, 4, 5), 2: (6, 7)}, 3)
+    assert owners == {0: (0, 1), 1: (3, 4), 2: (6, 7), 3: (2, 5)} and taken == {2: 0, 5: 1}
+    assert with_node({0: (0, 1, 2, 3)}, 9)[0] == {0: (0, 1), 9: (2, 3)}
+    assert with_node({0: (0,), 1: (1,)}, 2)[0] == {0: (0,), 1: (1,), 2: ()}  # more nodes than experts: shared part only
+    with pytest.raises(OwnershipError, match="node 0 is already a member"):
+        with_node({0: (0,)}, 0)
+
+
+def test_baselines_members_train_every_expert():
+    m = sync_method(SpesConfig(method="fedavg", num_nodes=2))
+    assert m.with_node({0: (0, 1), 1: (0, 1)}, 5, 2)[0] == {0: (0, 1), 1: (0, 1), 5: (0, 1)}
+    assert m.without_node({0: (0, 1), 1: (0, 1)}, 0, 2)[0] == {1: (0, 1)}

@@ -1,0 +1,54 @@
+"""`python -m spes.members`: ask for a node to join or leave a running run, or show who trains what.
+
+    python -m spes.members join  --node 3 [--params params.yaml] [--run NAME]
+    python -m spes.members leave --node 1
+    python -m spes.members show
+
+A request takes effect at the next round boundary: the aggregator of the round in progress applies it and
+records the new membership in that round's global; the node then starts (join) or stops (leave) with the
+round after it. See spes/run/membership.py. A request that cannot be (an id in use, a node that is not a
+member, the last member leaving, one already pending) is refused with one line and nothing is written.
+"""
+from __future__ import annotations
+
+import argparse
+
+from spes.config.loader import load_params
+from spes.errors import ConfigError, MembershipError, StorageError
+from spes.run.membership import committed_membership, request
+from spes.run.run import Run
+from spes.storage.store import Store
+from spes.sync.methods import sync_method
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("action", choices=("join", "leave", "show"))
+    ap.add_argument("--node", type=int, default=None)
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--run", default=None, help="run name (default: orchestration.run_name)")
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args(argv)
+    try:
+        p = load_params(a.params, a.overrides)
+        run = a.run or p.orchestration.run_name
+        store, method = Store.from_config(p.storage), sync_method(p.spes)
+        if a.action == "show":
+            latest = Run(store, run).latest_round()
+            if latest is None:
+                raise MembershipError(f"run {run!r} has no committed round on {store.url}")
+            m = committed_membership(store, run, latest, method)
+            print(f"run {run}: round {latest + 1}'s members")
+            for n in m.members:
+                print(f"node {n}: experts {m.owners[n]}, data slot {m.slots[n]}, missed {m.missed.get(n, 0)} in a row")
+            return
+        if a.node is None:
+            raise MembershipError(f"{a.action} needs --node")
+        request(store, run, method, a.action, a.node)
+    except (ConfigError, MembershipError, StorageError) as e:
+        raise SystemExit(f"error: {e}")
+    print(f"run {run}: node {a.node} will {a.action} at the next round boundary")
+
+
+if __name__ == "__main__":
+    main()
