@@ -1,12 +1,14 @@
 """`python -m spes.members`: ask for a node to join or leave a running run, or show who trains what.
 
-    python -m spes.members join  --node 3 [--params params.yaml] [--run NAME]
+    python -m spes.members join  --node 3 [--gpu-mem 24GiB] [--params params.yaml] [--run NAME]
     python -m spes.members leave --node 1
     python -m spes.members show
 
 A request takes effect at the next round boundary: the aggregator of the round in progress applies it and
 records the new membership in that round's global; the node then starts (join) or stops (leave) with the
-round after it. See spes/run/membership.py. A request that cannot be (an id in use, a node that is not a
+round after it. See spes/run/membership.py. With --gpu-mem the planner (spes/train/plan.py) caps the
+joiner at the most experts per layer that fit that memory; a memory too small for the frozen weights alone
+is refused. A request that cannot be (an id in use, a node that is not a
 member, the last member leaving, one already pending) is refused with one line and nothing is written.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ from spes.run.membership import committed_membership, request
 from spes.run.run import Run
 from spes.storage.store import Store
 from spes.sync.methods import sync_method
+from spes.train.plan import max_experts_fitting, parse_bytes
 
 
 def main(argv=None) -> None:
@@ -27,6 +30,7 @@ def main(argv=None) -> None:
     ap.add_argument("--node", type=int, default=None)
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--run", default=None, help="run name (default: orchestration.run_name)")
+    ap.add_argument("--gpu-mem", default=None, help="join: memory of the node's GPU, e.g. 24GiB (caps its experts)")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args(argv)
     try:
@@ -40,14 +44,21 @@ def main(argv=None) -> None:
             m = committed_membership(store, run, latest, method)
             print(f"run {run}: round {latest + 1}'s members")
             for n in m.members:
-                print(f"node {n}: experts {m.owners[n]}, data slot {m.slots[n]}, missed {m.missed.get(n, 0)} in a row")
+                cap = f", at most {m.caps[n]} experts" if n in m.caps else ""
+                print(f"node {n}: experts {m.owners[n]}, data slot {m.slots[n]}, missed {m.missed.get(n, 0)} "
+                      f"in a row{cap}")
             return
         if a.node is None:
             raise MembershipError(f"{a.action} needs --node")
-        request(store, run, method, a.action, a.node)
-    except (ConfigError, MembershipError, StorageError) as e:
+        cap = None
+        if a.gpu_mem and a.action == "join":
+            cap = max_experts_fitting(p.model, p.spes, parse_bytes(a.gpu_mem), p.orchestration.gpus_per_node,
+                                      f"node {a.node}")
+        request(store, run, method, a.action, a.node, cap)
+    except (ConfigError, MembershipError, StorageError, ValueError) as e:
         raise SystemExit(f"error: {e}")
-    print(f"run {run}: node {a.node} will {a.action} at the next round boundary")
+    print(f"run {run}: node {a.node} will {a.action} at the next round boundary"
+          + (f" (owning at most {cap} experts per layer)" if cap is not None else ""))
 
 
 if __name__ == "__main__":

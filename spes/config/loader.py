@@ -17,7 +17,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from spes.config.ownership import Ownership
+from spes.config.ownership import Ownership, planned_changes
 from spes.config.schema import (
     CODECS,
     DATA_ORDERS,
@@ -174,6 +174,7 @@ def _check_orchestration(p: Params) -> None:
     check_name(o.run_name, "orchestration.run_name")
     mn = o.min_nodes
     _need(mn is None or 1 <= mn <= s.num_nodes, f"orchestration.min_nodes ({mn}) must be in [1, spes.num_nodes={s.num_nodes}]")
+    planned_changes(o.membership_plan, s.rounds, s.num_nodes)  # raises OwnershipError (a ConfigError) naming the entry
     _need(o.evict_after_rounds >= 0, f"orchestration.evict_after_rounds must be >= 0, got {o.evict_after_rounds}")
     _need(o.evict_after_rounds == 0 or (mn is not None and mn < s.num_nodes),
           "orchestration.evict_after_rounds needs orchestration.min_nodes below spes.num_nodes: with a quorum of "

@@ -5,7 +5,9 @@ an explicit map may be given instead. Every expert has exactly one owner.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Optional
 
 from spes.errors import OwnershipError
 
@@ -94,10 +96,12 @@ def check_owners(owners: Owners, num_experts: int) -> None:
         raise OwnershipError(f"ownership: experts {missing} have no owner")
 
 
-def without_node(owners: Owners, leaver: int) -> tuple[Owners, dict[int, int]]:
+def without_node(owners: Owners, leaver: int, caps: Optional[dict[int, int]] = None) -> tuple[Owners, dict[int, int]]:
     """The ownership once `leaver` is gone: each of its experts (lowest id first) goes to the survivor that
-    owns the fewest experts then (ties: the lowest node id), so counts stay balanced. Returns (new owners,
+    owns the fewest experts then (ties: the lowest node id) among those under their cap (`caps`: node -> the
+    most experts that fit its memory; absent: no cap), so counts stay balanced. Returns (new owners,
     {expert: its new owner})."""
+    caps = caps or {}
     if leaver not in owners:
         raise OwnershipError(f"node {leaver} is not a member (members: {sorted(owners)})")
     rest = {n: list(e) for n, e in owners.items() if n != leaver}
@@ -105,16 +109,21 @@ def without_node(owners: Owners, leaver: int) -> tuple[Owners, dict[int, int]]:
         raise OwnershipError(f"node {leaver} is the run's last member: its experts would have no owner")
     moved = {}
     for e in sorted(owners[leaver]):
-        to = min(rest, key=lambda n: (len(rest[n]), n))
+        room = [n for n in rest if len(rest[n]) < caps.get(n, math.inf)]
+        if not room:
+            raise OwnershipError(f"node {leaver}'s expert {e} fits no other member (each holds as many experts as "
+                                 f"its memory allows: {dict(sorted(caps.items()))})")
+        to = min(room, key=lambda n: (len(rest[n]), n))
         rest[to].append(e)
         moved[e] = to
     return {n: tuple(sorted(x)) for n, x in rest.items()}, moved
 
 
-def with_node(owners: Owners, joiner: int) -> tuple[Owners, dict[int, int]]:
+def with_node(owners: Owners, joiner: int, cap: Optional[int] = None) -> tuple[Owners, dict[int, int]]:
     """The ownership once `joiner` is in: it takes one expert at a time (the donor's highest id) from the
     member that owns the most (ties: the lowest node id) while that evens the counts out, so no member keeps
-    more than one expert above the joiner. Returns (new owners, {expert: its former owner})."""
+    more than one expert above the joiner, and while it stays within `cap` (the most experts that fit its
+    memory). Returns (new owners, {expert: its former owner})."""
     if joiner in owners:
         raise OwnershipError(f"node {joiner} is already a member (members: {sorted(owners)})")
     out = {n: list(e) for n, e in owners.items()}
@@ -122,7 +131,7 @@ def with_node(owners: Owners, joiner: int) -> tuple[Owners, dict[int, int]]:
     taken = {}
     while out:
         donor = max(out, key=lambda n: (len(out[n]), -n))
-        if len(out[donor]) <= len(mine) + 1:
+        if len(out[donor]) <= len(mine) + 1 or (cap is not None and len(mine) >= cap):
             break
         e = max(out[donor])
         out[donor].remove(e)
@@ -130,3 +139,36 @@ def with_node(owners: Owners, joiner: int) -> tuple[Owners, dict[int, int]]:
         taken[e] = donor
     out[joiner] = mine
     return {n: tuple(sorted(x)) for n, x in out.items()}, taken
+
+
+def planned_changes(entries: list[str], rounds: int, num_nodes: int) -> list[tuple[int, str, int]]:
+    """`orchestration.membership_plan` as (round, 'join'|'leave', node), in order: each entry is
+    '<join|leave> <node> after <R>' (R a round, or 'P%' of spes.rounds, at least round 1): the change is
+    applied when round R is aggregated, so a leaver's last round is R and a joiner's first is R+1. Checked
+    by playing it on the initial members 0..num_nodes-1: a join of a member, a leave of a non-member or of
+    the last member is an error naming the entry."""
+    out = []
+    members = set(range(num_nodes))
+    for entry in entries:
+        parts = str(entry).split()
+        if len(parts) != 4 or parts[0] not in ("join", "leave") or parts[2] != "after" or not parts[1].isdigit():
+            raise OwnershipError(f"orchestration.membership_plan: {entry!r} is not '<join|leave> <node> after <round "
+                                 "or P%>'")
+        at = parts[3]
+        try:
+            r = max(1, int(rounds * float(at[:-1]) / 100)) if at.endswith("%") else int(at)
+        except ValueError:
+            raise OwnershipError(f"orchestration.membership_plan: {entry!r}: {at!r} is not a round or a percentage") from None
+        if not 1 <= r < rounds:
+            raise OwnershipError(f"orchestration.membership_plan: {entry!r} falls at round {r}, outside [1, {rounds - 1}]")
+        out.append((r, parts[0], int(parts[1])))
+    out.sort(key=lambda c: c[0])
+    for r, kind, node in out:
+        if kind == "join" and node in members:
+            raise OwnershipError(f"orchestration.membership_plan: node {node} joins after round {r} but is a member then")
+        if kind == "leave" and node not in members:
+            raise OwnershipError(f"orchestration.membership_plan: node {node} leaves after round {r} but is not a member then")
+        if kind == "leave" and members == {node}:
+            raise OwnershipError(f"orchestration.membership_plan: node {node} would leave after round {r} as the last member")
+        members = members | {node} if kind == "join" else members - {node}
+    return out

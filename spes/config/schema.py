@@ -352,6 +352,10 @@ class OrchestrationConfig:
     """Nodes not committed by then are left out of the round (quorum permitting)."""
     min_nodes: Optional[int] = None
     """Quorum; None = all members."""
+    membership_plan: list[str] = field(default_factory=list)
+    """Planned membership changes, e.g. ['leave 1 after 4', 'join 2 after 70%']: each is asked for (as with
+    `python -m spes.members`) when its round starts and applied when that round is aggregated; a joiner's first
+    round is the next one. Spot machines with a known end, or the churn study of compare-churn."""
     evict_after_rounds: int = 0
     """A member that misses this many rounds in a row is evicted at the end of the last of them: its experts go
     to the other members (spes/run/membership.py), who train them from the next round on. 0 = never: its

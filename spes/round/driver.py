@@ -13,11 +13,12 @@ import os
 import time
 from typing import Callable, Optional
 
+from spes.config.ownership import planned_changes
 from spes.config.schema import Params
 from spes.data.tokens import TokenData
 from spes.errors import QuorumError, UploadsRejected
 from spes.eval.heldout import heldout_loss
-from spes.run.membership import membership_of
+from spes.run.membership import membership_of, request_planned
 from spes.run.records import GlobalMeta, NodeReport, RoundRecord
 from spes.run.run import Run
 from spes.sync.methods import sync_method
@@ -95,6 +96,10 @@ def run_round(p: Params, run: Run, r: int, run_nodes: NodeRunner, aggregate: Agg
               heldout: Optional[Callable[[Run, int], float]] = None) -> RoundRecord:
     """Round r from start to record (see the module docstring); returns its record."""
     t0 = time.time()
+    o = p.orchestration
+    if o.membership_plan:
+        request_planned(run.store, run.name, sync_method(p.spes),
+                        planned_changes(o.membership_plan, p.spes.rounds, p.spes.num_nodes), r)
     rows = run_nodes(round_members(p, run, r), checkpoint)
     try:
         try:

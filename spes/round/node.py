@@ -202,8 +202,9 @@ def read_inputs(p: Params, store: Store, run: str, r: int, node: int, from_check
         raise StorageError(f"node {node}: global {r - 1} as held here does not hash to the committed {prev_sha[:12]}")
     owned = tuple(membership.owners[node])
     if state is not None and state.owned is not None and state.owned != owned:
-        log.warning("node %d round %d: trains experts %s (was %s); the ones it took over start with a fresh "
-                    "optimizer state", node, r, list(owned), list(state.owned))
+        log.warning("node %d round %d: trains experts %s (gave away %s; took over %s, which start with a fresh "
+                    "optimizer state)", node, r, list(owned), sorted(set(state.owned) - set(owned)),
+                    sorted(set(owned) - set(state.owned)))
     position = state.data_position if state is not None else (r - 1) * p.spes.sync_steps
     return RoundInputs(prev, prev_sha, prev_meta.model_config, state, ref, local, owned, membership.slots[node],
                        position)

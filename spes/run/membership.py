@@ -47,6 +47,8 @@ class Request(Record):
     refused: Optional[str] = None
     """Why it could not be applied at `at_round` (e.g. the last member leaving); it is not tried again."""
     requested: str = ""
+    max_experts: Optional[int] = None
+    """A joiner's cap: the most experts per layer that fit its memory (`--gpu-mem`, by the planner)."""
 
 
 def request_file(layout: RunLayout, kind: str, node: int) -> str:
@@ -99,7 +101,8 @@ def _latest_membership(store: Store, run: str, method: SyncMethod) -> tuple[int,
     return r, membership_of(meta, method, meta.model_config.get("num_experts", 0))
 
 
-def request(store: Store, run: str, method: SyncMethod, kind: str, node: int) -> Request:
+def request(store: Store, run: str, method: SyncMethod, kind: str, node: int,
+            max_experts: Optional[int] = None) -> Request:
     """Ask for `node` to join or leave run `run` at its next round boundary, after checking it against the
     latest committed membership: a join of an id in use, a leave of a node that is not a member or of the
     last one, a second request of the same kind for the same node, are refused (nothing written)."""
@@ -123,7 +126,8 @@ def request(store: Store, run: str, method: SyncMethod, kind: str, node: int) ->
         if old.at_round is None:
             raise MembershipError(f"node {node}: a {kind} request of run {run!r} is already pending")
         store.remove(request_file(layout, kind, node))  # applied (or refused) long ago: a new one replaces it
-    req = Request(kind, node, requested=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    req = Request(kind, node, requested=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  max_experts=max_experts if kind == "join" else None)
     try:
         _write(store, layout, req, exclusive=True)
     except FileExistsError:
@@ -151,21 +155,21 @@ def next_membership(prev: Membership, method: SyncMethod, num_experts: int, r: i
     """Round r+1's membership from round r's (`prev`), the nodes that contributed to round r, the run's
     requests and the eviction threshold (0 = never evict); see the module docstring."""
     owners = {n: tuple(e) for n, e in prev.owners.items()}
-    slots = dict(prev.slots)
+    slots, caps = dict(prev.slots), dict(prev.caps)
     missed = {n: 0 if n in contributors else prev.missed.get(n, 0) + 1 for n in owners}
     changes, stamped, departed = [], [], []
     due = [q for q in requests if q.refused is None and q.at_round in (None, r)]
 
     def leave(node: int, why: str) -> None:
         nonlocal owners
-        owners, moved = method.without_node(owners, node, num_experts)
-        slots.pop(node, None)
-        missed.pop(node, None)
+        owners, moved = method.without_node(owners, node, num_experts, caps)
+        for d in (slots, missed, caps):
+            d.pop(node, None)
         departed.append(node)
         changes.append(f"node {node} {why}; its experts went to (expert->node) {_moves(moved, '->')}")
 
     def refuse(q: Request, why: str) -> None:
-        stamped.append(Request(q.kind, q.node, r, why, q.requested))
+        stamped.append(Request(q.kind, q.node, r, why, q.requested, q.max_experts))
         changes.append(f"{q.kind} of node {q.node} refused: {why}")
 
     for q in sorted((q for q in due if q.kind == "leave"), key=lambda q: q.node):
@@ -174,7 +178,7 @@ def next_membership(prev: Membership, method: SyncMethod, num_experts: int, r: i
         except OwnershipError as e:
             refuse(q, str(e))
             continue
-        stamped.append(Request(q.kind, q.node, r, None, q.requested))
+        stamped.append(Request(q.kind, q.node, r, None, q.requested, q.max_experts))
     if evict_after > 0:
         for n in sorted(n for n, k in missed.items() if k >= evict_after):
             try:
@@ -183,17 +187,19 @@ def next_membership(prev: Membership, method: SyncMethod, num_experts: int, r: i
                 changes.append(f"node {n} not evicted: {e}")
     for q in sorted((q for q in due if q.kind == "join"), key=lambda q: q.node):
         try:
-            owners, taken = method.with_node(owners, q.node, num_experts)
+            owners, taken = method.with_node(owners, q.node, num_experts, q.max_experts)
         except OwnershipError as e:
             refuse(q, str(e))
             continue
         slots[q.node] = min(set(range(len(slots) + 1)) - set(slots.values()))
         missed[q.node] = 0
-        stamped.append(Request(q.kind, q.node, r, None, q.requested))
+        if q.max_experts is not None:
+            caps[q.node] = q.max_experts
+        stamped.append(Request(q.kind, q.node, r, None, q.requested, q.max_experts))
         changes.append(f"node {q.node} joined (data slot {slots[q.node]}); it took (expert<-node) "
                        f"{_moves(taken, '<-')}")
-    return Change(Membership({n: list(e) for n, e in sorted(owners.items())}, slots, missed), changes, stamped,
-                  departed)
+    return Change(Membership({n: list(e) for n, e in sorted(owners.items())}, slots, missed, caps), changes,
+                  stamped, departed)
 
 
 def stamp(store: Store, layout: RunLayout, requests: list[Request]) -> None:
@@ -211,3 +217,22 @@ def committed_membership(store: Store, run: str, r: int, method: SyncMethod) -> 
         raise MembershipError(f"run {run!r}: global {r} is not committed") from None
     meta = GlobalMeta.from_json(m["meta"], f"{store.url}/{layout.global_dir(r)}")
     return membership_of(meta, method, meta.model_config.get("num_experts", 0))
+
+
+def request_planned(store: Store, run: str, method: SyncMethod, plan: list[tuple[int, str, int]], r: int) -> None:
+    """Ask, as round r starts, for the changes `orchestration.membership_plan` schedules after round r, once: a
+    request already there (pending, or stamped with r by an earlier try or a recomputation of this round) is
+    left as it is. One that can no longer be (the node was evicted meanwhile) is skipped with a warning."""
+    due = [(kind, node) for at, kind, node in plan if at == r]
+    if not due:
+        return
+    layout = RunLayout(run)
+    have = {(q.kind, q.node): q for q in read_requests(store, layout)}
+    for kind, node in due:
+        q = have.get((kind, node))
+        if q is not None and q.at_round in (None, r):
+            continue
+        try:
+            request(store, run, method, kind, node)
+        except MembershipError as e:
+            log.warning("run %s: the planned %s of node %d after round %d is skipped: %s", run, kind, node, r, e)

@@ -198,11 +198,13 @@ class RunIndex(Record):
 class Membership(Record):
     """Who trains what in the round built on a global: `owners` node id -> its experts (every expert has one
     owner; the baselines' members own them all), `slots` node id -> the share of the data it reads,
-    `missed` node id -> rounds it has missed in a row (eviction counts them)."""
+    `missed` node id -> rounds it has missed in a row (eviction counts them), `caps` (below)."""
 
     owners: dict[int, list[int]]
     slots: dict[int, int]
     missed: dict[int, int] = field(default_factory=dict)
+    caps: dict[int, int] = field(default_factory=dict)
+    """node id -> the most experts per layer that fit its memory (declared when it joined); absent: no cap."""
 
     @property
     def members(self) -> list[int]:

@@ -89,8 +89,9 @@ class SyncMethod:
         """Round 1's members (0..nodes-1) and the experts each trains."""
         return owners_of(self.ownership(num_experts))
 
-    def without_node(self, owners: Owners, leaver: int, num_experts: int) -> tuple[Owners, dict[int, int]]:
-        """(owners once `leaver` is gone, {expert: new owner} of what moved)."""
+    def without_node(self, owners: Owners, leaver: int, num_experts: int,
+                     caps: Optional[dict[int, int]] = None) -> tuple[Owners, dict[int, int]]:
+        """(owners once `leaver` is gone, {expert: new owner} of what moved); `caps`: node -> most experts."""
         if leaver not in owners:
             return without_node(owners, leaver)  # its error
         rest = {n: e for n, e in owners.items() if n != leaver}
@@ -98,8 +99,9 @@ class SyncMethod:
             return without_node(owners, leaver)
         return rest, {}
 
-    def with_node(self, owners: Owners, joiner: int, num_experts: int) -> tuple[Owners, dict[int, int]]:
-        """(owners once `joiner` is in, {expert: former owner} of what moved)."""
+    def with_node(self, owners: Owners, joiner: int, num_experts: int,
+                  cap: Optional[int] = None) -> tuple[Owners, dict[int, int]]:
+        """(owners once `joiner` is in, {expert: former owner} of what moved); `cap`: the most it can own."""
         if joiner in owners:
             return with_node(owners, joiner)  # its error
         return {**owners, joiner: tuple(range(num_experts))}, {}
@@ -157,11 +159,11 @@ class Spes(SyncMethod):
     def ownership(self, num_experts: int) -> Ownership:
         return Ownership.plan(num_experts, self.nodes, self.s.ownership)
 
-    def without_node(self, owners, leaver, num_experts):
-        return without_node(owners, leaver)
+    def without_node(self, owners, leaver, num_experts, caps=None):
+        return without_node(owners, leaver, caps)
 
-    def with_node(self, owners, joiner, num_experts):
-        return with_node(owners, joiner)
+    def with_node(self, owners, joiner, num_experts, cap=None):
+        return with_node(owners, joiner, cap)
 
     def is_averaged(self, name: str) -> bool:
         return not is_expert_param(name)

@@ -259,6 +259,20 @@ def plan_owning(cfg: ModelConfig, s: SpesConfig, experts: int, ranks: int = 1) -
     return plan_node(cfg, SpesConfig(**{**s.__dict__, "method": "spes", **own}), 0, ranks)
 
 
+def max_experts_fitting(cfg: ModelConfig, s: SpesConfig, memory: int, ranks: int = 1, who: str = "the node",
+                        owning: Optional[dict] = None) -> int:
+    """The most experts per layer a SPES node with `memory` per GPU can own (the others frozen), or ConfigError
+    when not even one fits (naming what its frozen experts alone take)."""
+    owning = owning or {k: plan_owning(cfg, s, k, ranks) for k in range(1, cfg.num_experts + 1)}
+    fits = [k for k, m in owning.items() if m["peak_bytes"] <= memory]
+    if not fits:
+        one = owning[1]
+        raise ConfigError(f"{who} ({_gib(memory)}): owning even one expert per layer needs "
+                          f"{_gib(one['peak_bytes'])} per GPU, its frozen experts alone "
+                          f"{_gib(one['frozen_params'] * DTYPE_BYTES[s.frozen_dtype])}")
+    return max(fits)
+
+
 def capacity_plan(cfg: ModelConfig, s: SpesConfig, memories: list[int], ranks: int = 1) -> dict:
     """Experts per layer for nodes of different memory: every node fits its memory and the largest count (the
     slowest node, by the time model below) is as small as it can be.
@@ -275,15 +289,7 @@ def capacity_plan(cfg: ModelConfig, s: SpesConfig, memories: list[int], ranks: i
     if not memories:
         raise ConfigError("--nodes: name at least one node's memory, e.g. 24GiB,48GiB")
     owning = {k: plan_owning(cfg, s, k, ranks) for k in range(1, e + 1)}  # the same for every node
-    caps = []
-    for i, mem in enumerate(memories):
-        fits = [k for k, m in owning.items() if m["peak_bytes"] <= mem]
-        if not fits:
-            one = owning[1]
-            raise ConfigError(f"node {i} ({_gib(mem)}): owning even one expert per layer needs "
-                              f"{_gib(one['peak_bytes'])} per GPU, its frozen experts alone "
-                              f"{_gib(one['frozen_params'] * DTYPE_BYTES[s.frozen_dtype])}")
-        caps.append(max(fits))
+    caps = [max_experts_fitting(cfg, s, mem, ranks, f"node {i}", owning) for i, mem in enumerate(memories)]
     if sum(caps) < e or len(memories) > e:
         raise ConfigError(f"the nodes hold at most {min(sum(caps), e)} of the {e} experts per layer between them "
                           f"({', '.join(f'node {i}: {c}' for i, c in enumerate(caps))}); every expert needs an "

@@ -59,3 +59,27 @@ def test_baselines_members_train_every_expert():
     m = sync_method(SpesConfig(method="fedavg", num_nodes=2))
     assert m.with_node({0: (0, 1), 1: (0, 1)}, 5, 2)[0] == {0: (0, 1), 1: (0, 1), 5: (0, 1)}
     assert m.without_node({0: (0, 1), 1: (0, 1)}, 0, 2)[0] == {1: (0, 1)}
+
+
+def test_a_membership_plan_is_checked_up_front():
+    from spes.config.ownership import planned_changes
+
+    assert planned_changes(["join 2 after 66%", "leave 1 after 3"], 10, 2) == [(3, "leave", 1), (6, "join", 2)]
+    for entry, msg in [(["leave 1 at 3"], "is not '<join|leave> <node> after"),
+                       (["join 1 after 2"], "node 1 joins after round 2 but is a member then"),
+                       (["leave 4 after 2"], "node 4 leaves after round 2 but is not a member then"),
+                       (["leave 0 after 2", "leave 1 after 3"], "node 1 would leave after round 3 as the last member"),
+                       (["leave 1 after 10"], "falls at round 10, outside \\[1, 9\\]"),
+                       (["leave 1 after x%"], "is not a round or a percentage")]:
+        with pytest.raises(OwnershipError, match=msg):
+            planned_changes(entry, 10, 2)
+
+
+def test_memory_caps_bound_what_a_node_takes():
+    from spes.config.ownership import with_node, without_node
+
+    assert with_node({0: (0, 1, 2, 3, 4, 5)}, 1, cap=1)[0] == {0: (0, 1, 2, 3, 4), 1: (5,)}
+    owners, moved = without_node({0: (0,), 1: (1, 2), 2: (3, 4, 5)}, 2, caps={0: 1})
+    assert owners == {0: (0,), 1: (1, 2, 3, 4, 5)} and moved == {3: 1, 4: 1, 5: 1}  # node 0 is full
+    with pytest.raises(OwnershipError, match="node 1's expert 1 fits no other member"):
+        without_node({0: (0,), 1: (1,)}, 1, caps={0: 1})

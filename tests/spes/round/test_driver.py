@@ -139,3 +139,20 @@ def test_an_extended_wsd_run_equals_one_that_had_that_many_rounds_from_the_start
         c.ensure(settings_fingerprint(c4), None, settings=fingerprinted(to_dict(c4)))
         c6 = params("c", 6, "cosine")
         c.ensure(settings_fingerprint(c6), None, settings=fingerprinted(to_dict(c6)))
+
+
+def test_a_membership_plan_leaves_and_joins_at_its_rounds(tmp_path, data):
+    """'leave 1 after 2': node 1's last round is 2; 'join 5 after 3': node 5 trains from round 4 on."""
+    p = _params(tmp_path, num_nodes=2, rounds=5)
+    p.orchestration.membership_plan = ["leave 1 after 2", "join 5 after 3"]
+    run = _start(p)
+    agg = Aggregator(p, run.store, "r")
+    seen = {}
+    for r in range(1, 6):
+        def run_nodes(nodes, checkpoint, r=r):
+            seen[r] = list(nodes)
+            return {i: node_round(p, run.store, "r", r, i, data) for i in nodes}
+        run_round(p, run, r, run_nodes, lambda rerun, r=r: agg.aggregate(r, None, rerun), False)
+    assert seen == {1: [0, 1], 2: [0, 1], 3: [0], 4: [0, 5], 5: [0, 5]}
+    assert run.global_meta(5).membership.owners == {0: [0, 1], 5: [2, 3]}
+    assert run.global_meta(5).membership.slots == {0: 0, 5: 1}  # the leaver's data slot
