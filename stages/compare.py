@@ -82,7 +82,7 @@ def run_cell(a) -> None:
               "memory_bytes_per_node": mem["total_bytes"],
               "peak_bytes_per_node": max((n.upload.peak_bytes or 0 for n in rows), default=0) or None,
               "bytes_per_node_per_round": sum(n.bytes_up + n.bytes_down for n in rows) / max(1, len(rows)),
-              "wall_s": sum(rec.wall_s for rec in records), "curve": curve}
+              "wall_s": sum(rec.wall_s for rec in records), "curve": curve, "round_windows": p.eval.round_windows}
     os.makedirs(a.out, exist_ok=True)
     write_json(os.path.join(a.out, "result.json"), result)
     print(f"compare: {cell.run_name}: held-out loss {ev['loss']:.4f} (SE {ev['se']:.4f}) after {tokens} tokens")

@@ -154,6 +154,7 @@ def _check_stages(p: Params) -> None:
     _need(d.export_arch in ("auto", "qwen3", "llama"), f"dense.export_arch must be auto|qwen3|llama, got {d.export_arch!r}")
     _need((e.batches is None or e.batches >= 1) and e.batch_size >= 1, "eval.batches (or null) and eval.batch_size must be >= 1")
     _need(e.every_rounds >= 0 and e.round_batches >= 1, "eval.every_rounds must be >= 0 and eval.round_batches >= 1")
+    _need(e.round_windows in ("spread", "first"), f"eval.round_windows must be spread|first, got {e.round_windows!r}")
     _check_seq(e.seq_len, "eval.seq_len", p.model.max_seq_len)
     _need(p.init.mode in ("scratch", "upcycle"), f"init.mode must be scratch|upcycle, got {p.init.mode!r}")
     _need(0.0 <= p.init.noise_fraction <= 1.0, "init.noise_fraction must be in [0, 1]")

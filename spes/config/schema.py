@@ -377,6 +377,10 @@ class EvalConfig:
     """Held-out loss of the committed global every this many rounds (0 = never), on the first
     `round_batches` batches: shown in the round's Prefect table and stored in its record."""
     round_batches: int = 16
+    round_windows: str = "spread"
+    """Which windows the per-round held-out loss uses: 'spread' = evenly spaced over the whole split (each
+    document about its share: an estimate of the whole split's loss), 'first' = the first ones (before
+    2026-12: 16 batches of the default split came from 5 of its 46 documents)."""
     lm_eval_tasks: list[str] = field(default_factory=list)
     """lm-eval task names (or names defined in `lm_eval_include`); empty = skip."""
     lm_eval_include: Optional[str] = None

@@ -176,26 +176,37 @@ class BatchStream:
         return _window_batch(self.tokens, starts, self.seq_len)
 
 
-def window_documents(tokens: Tokens, eos_id: int, seq_len: int, n_windows: int) -> list[int]:
-    """For each of the first `n_windows` held-out windows (eval_batches' windows), the index of the document
-    its first token belongs to (documents end with EOS): windows of one document are not independent, so
-    standard errors are clustered by it (spes/eval/compare.py)."""
+def window_documents(tokens: Tokens, eos_id: int, seq_len: int, n_windows: int,
+                     starts: Optional[np.ndarray] = None) -> list[int]:
+    """For each of the first `n_windows` held-out windows (eval_batches' windows; or the windows at `starts`),
+    the index of the document its first token belongs to (documents end with EOS): windows of one document
+    are not independent, so standard errors are clustered by it (spes/eval/compare.py)."""
     tokens = as_sequence(tokens)
-    eos = np.flatnonzero(np.asarray(tokens.read(0, min(len(tokens), n_windows * seq_len + 1))) == eos_id)
-    starts = np.arange(n_windows) * seq_len
+    starts = np.arange(n_windows) * seq_len if starts is None else np.asarray(starts)
+    end = int(starts.max()) + 1 if len(starts) else 1
+    eos = np.flatnonzero(np.asarray(tokens.read(0, min(len(tokens), end))) == eos_id)
     return np.searchsorted(eos, starts, side="left").tolist()  # EOS positions before the start = its document
 
 
-def eval_batches(tokens: Tokens, batch_size: int, seq_len: int,
-                 num_batches: Optional[int] = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Fixed, non-overlapping windows from the start of the held-out split (same for every model): the
-    first `num_batches` batches, or all of it (None)."""
-    tokens = as_sequence(tokens)
-    n_windows = (len(tokens) - 1) // seq_len
-    if num_batches is not None:
-        n_windows = min(num_batches * batch_size, n_windows)
+def eval_window_starts(n_tokens: int, seq_len: int, count: Optional[int] = None, spread: bool = False) -> np.ndarray:
+    """Start offsets of fixed, non-overlapping held-out windows: all of them (count None), the first `count`,
+    or (spread) `count` of them evenly spaced over the whole split. Spread windows are a systematic sample:
+    each document gets about its share of the split's windows, so their mean estimates the whole split's."""
+    n_windows = (n_tokens - 1) // seq_len
     if n_windows == 0:
-        raise DataError(f"held-out split has {len(tokens)} tokens, fewer than one window of {seq_len + 1}")
-    starts = np.arange(n_windows) * seq_len
-    for i in range(0, n_windows, batch_size):
+        raise DataError(f"held-out split has {n_tokens} tokens, fewer than one window of {seq_len + 1}")
+    if count is None or count >= n_windows:
+        return np.arange(n_windows) * seq_len
+    idx = np.arange(count) * n_windows // count if spread else np.arange(count)
+    return idx * seq_len
+
+
+def eval_batches(tokens: Tokens, batch_size: int, seq_len: int, num_batches: Optional[int] = None,
+                 spread: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Fixed, non-overlapping windows of the held-out split (same for every model): all of it (num_batches
+    None), else `num_batches` batches of the first windows, or (spread) of windows evenly spaced over it."""
+    tokens = as_sequence(tokens)
+    starts = eval_window_starts(len(tokens), seq_len, None if num_batches is None else num_batches * batch_size,
+                                spread)
+    for i in range(0, len(starts), batch_size):
         yield _window_batch(tokens, starts[i:i + batch_size], seq_len)

@@ -195,7 +195,23 @@ def summarize(p: Params, results: list[dict]) -> dict:
             if diffs:
                 merge[budget] = _mean_std(diffs) + (len(diffs),)
     return {"rows": rows, "sweep": {f"{v}|{b}|{lr}": ms for (v, b, lr), ms in sorted(sweep.items())}, "merge": merge,
-            "frontier": frontier(p, rows, by)}
+            "frontier": frontier(p, rows, by), "slice": slice_agreement(results)}
+
+
+def slice_agreement(results: list[dict]) -> Optional[dict]:
+    """How far the per-round held-out loss (a slice of the split: eval.round_batches batches) can be trusted:
+    over the runs whose result names its windows, the slice's value at the last round against the whole
+    split's loss of the same model: the mean and largest difference, and the share of pairs of runs both put
+    in the same order. None with fewer than two such runs."""
+    pts = [(r["curve"][-1]["heldout_loss"], r["heldout_loss"], r["round_windows"]) for r in results
+           if r.get("round_windows") and r.get("curve") and r["curve"][-1]["round"] == r["rounds"]]
+    if len(pts) < 2:
+        return None
+    diffs = [a - b for a, b, _ in pts]
+    pairs = [(i, j) for i in range(len(pts)) for j in range(i + 1, len(pts))]
+    same = sum(1 for i, j in pairs if (pts[i][0] - pts[j][0]) * (pts[i][1] - pts[j][1]) > 0)
+    return {"round_windows": sorted({w for _, _, w in pts}), "runs": len(pts), "mean_diff": statistics.fmean(diffs),
+            "max_abs_diff": max(abs(d) for d in diffs), "pairs_same_order": same / len(pairs)}
 
 
 def frontier(p: Params, rows: list[dict], runs: Optional[dict] = None) -> list[dict]:
@@ -278,6 +294,13 @@ def report_markdown(p: Params, summary: dict) -> str:
                        f"{paired(f['diff_to_baseline'], f['diff_to_baseline_se'])} | "
                        f"{paired(f.get('diff_to_base_interval'), f.get('diff_to_base_interval_se'))} | "
                        f"{f['bytes_per_node_per_token']:.1f} |")
+    sl = summary.get("slice")
+    if sl:
+        out += ["\n## How far the per-round held-out curve can be trusted\n",
+                f"The per-round held-out loss uses eval.round_batches batches ({', '.join(sl['round_windows'])} "
+                f"windows). At the last round of {sl['runs']} runs it differs from the whole split's loss of the same "
+                f"model by {sl['mean_diff']:+.4f} on average (at most {sl['max_abs_diff']:.4f}); it puts "
+                f"{100 * sl['pairs_same_order']:.0f}% of the pairs of runs in the whole split's order.\n"]
     out += ["\n## Learning-rate sweep (mean held-out loss over seeds)\n", "| variant | budget | lr | loss | std |",
             "|---|---|---|---|---|"]
     for k, (mean, std) in summary["sweep"].items():

@@ -13,14 +13,14 @@ from spes.model.transformer import CausalLM
 
 @torch.no_grad()
 def heldout_loss(model: CausalLM, tokens: np.ndarray, batch_size: int, seq_len: int,
-                 num_batches: Optional[int] = None) -> dict:
+                 num_batches: Optional[int] = None, spread: bool = False) -> dict:
     """Mean next-token loss over fixed windows of the held-out split (all of it when num_batches is None),
     with the standard error of that mean estimated from the spread of the per-window means, and those
     per-window means (two models on the same windows compare paired: spes/eval/compare.py)."""
     model.eval()
     device = next(model.parameters()).device
     per_window = []
-    for x, y in eval_batches(tokens, batch_size, seq_len, num_batches):
+    for x, y in eval_batches(tokens, batch_size, seq_len, num_batches, spread):
         logits = model(x.to(device)).logits.float()
         nll_BS = torch.nn.functional.cross_entropy(logits.transpose(1, 2), y.to(device), reduction="none")
         per_window.append(nll_BS.double().mean(dim=1))

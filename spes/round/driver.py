@@ -43,7 +43,8 @@ def heldout_due(p: Params, r: int) -> bool:
 
 
 class HeldOutProbe:
-    """Held-out loss of committed globals on the first eval.round_batches batches of the held-out split."""
+    """Held-out loss of committed globals on eval.round_batches batches of the held-out split, their windows
+    spread over it (eval.round_windows)."""
 
     def __init__(self, p: Params, tokens_dir: Optional[str] = None):
         self.p = p
@@ -55,7 +56,8 @@ class HeldOutProbe:
             self._data = TokenData.open(self.tokens_dir)
         e = self.p.eval
         model, _ = run.load_model(r)
-        return heldout_loss(model, self._data.val, e.batch_size, e.seq_len, e.round_batches)["loss"]
+        return heldout_loss(model, self._data.val, e.batch_size, e.seq_len, e.round_batches,
+                            e.round_windows == "spread")["loss"]
 
 
 def resume_point(p: Params, run: Run, resume_round, has_local_state=None) -> int:

@@ -102,3 +102,13 @@ def test_token_folder_errors(tiny_tokens, tmp_path):
         TokenData.open(str(tmp_path))
     with pytest.raises(DataError, match="fewer than the 4 nodes"):
         BatchStream(np.arange(100), 2, 30, seed=0, node=0, num_nodes=4)
+
+
+def test_spread_held_out_windows_cover_the_split_evenly():
+    from spes.data.tokens import eval_window_starts
+
+    assert eval_window_starts(101, 10, 3).tolist() == [0, 10, 20]
+    assert eval_window_starts(101, 10, 3, spread=True).tolist() == [0, 30, 60]  # 10 windows, every 10/3rd
+    assert eval_window_starts(101, 10, 20, spread=True).tolist() == list(range(0, 100, 10))  # all there are
+    x = [x for x, _ in eval_batches(np.arange(101), 2, 10, num_batches=2, spread=True)]
+    assert torch.equal(torch.cat(x)[:, 0], torch.tensor([0, 20, 50, 70]))

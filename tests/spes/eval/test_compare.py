@@ -193,3 +193,29 @@ def test_the_sync_interval_frontier_exact_numbers():
     assert front["spes-nesterov-s10"]["diff_to_base_interval"] == pytest.approx(0.15)  # against spes-nesterov
     p.compare.variants = {"spes": [], "fedavg": ["spes.method=fedavg"], "centralized": ["spes.method=centralized"]}
     assert summarize(p, results[:1] + results[4:5] + results[12:])["frontier"] == []  # one interval: no frontier
+
+
+def test_window_documents_of_spread_windows(tiny_tokens):
+    from spes.data.tokens import TokenData, eval_window_starts, window_documents
+
+    data = TokenData.open(tiny_tokens)
+    seq = 32
+    every = window_documents(data.val, data.eos_id, seq, (len(data.val) - 1) // seq)
+    starts = eval_window_starts(len(data.val), seq, 8, spread=True)
+    assert window_documents(data.val, data.eos_id, seq, 8, starts) == [every[s // seq] for s in starts]
+    assert len(set(window_documents(data.val, data.eos_id, seq, 8, starts))) >= \
+        len(set(window_documents(data.val, data.eos_id, seq, 8)))
+
+
+def test_how_far_the_per_round_slice_agrees_with_the_whole_split():
+    from spes.eval.compare import slice_agreement
+
+    def res(slice_loss, whole, windows="spread"):
+        return {"curve": [{"round": 2, "heldout_loss": slice_loss}], "rounds": 2, "heldout_loss": whole,
+                "round_windows": windows}
+
+    sl = slice_agreement([res(4.0, 4.1), res(4.2, 4.3), res(4.5, 4.25), {"curve": [], "rounds": 2}])
+    assert sl["runs"] == 3 and sl["round_windows"] == ["spread"]
+    assert sl["mean_diff"] == pytest.approx((-0.1 - 0.1 + 0.25) / 3) and sl["max_abs_diff"] == pytest.approx(0.25)
+    assert sl["pairs_same_order"] == pytest.approx(2 / 3)  # (1,2), (1,3) agree; (2,3) do not
+    assert slice_agreement([res(4.0, 4.1)]) is None
