@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import os
 import sys
+import tempfile
 
 from stages.common import prefect_env_defaults, run, write_json
 
@@ -23,10 +25,40 @@ from stages.common import prefect_env_defaults, run, write_json
 def _load(params_path: str):
     from spes.config.loader import load_params
     from spes.eval.compare import check_matrix
+    from spes.train.plan import budget_bytes
 
     p = load_params(params_path)
-    check_matrix(p)  # every variant checked before anything trains
+    resolved = check_matrix(p)  # every variant checked before anything trains
+    budget_bytes(p.compare.node_memory, resolved)
     return p
+
+
+def _variant_init(p, vp, folder: str) -> str:
+    """The initial model of a variant with another expert count than the main pipeline's: the same init
+    recipe (init.*: upcycled from the same dense model, or from scratch) at its expert count; else the main
+    pipeline's artifacts/init."""
+    main_init = os.path.join(p.artifacts_dir, "init", "model.safetensors")
+    if vp.model.num_experts == p.model.num_experts:
+        return main_init
+    import torch
+    from safetensors.torch import save_file
+
+    from spes.model.hf import load_hf
+    from spes.model.transformer import CausalLM
+    from spes.model.upcycle import upcycle
+
+    torch.manual_seed(p.init.seed)
+    if p.init.mode == "scratch":
+        model = CausalLM(vp.model)
+    else:
+        dense = load_hf(p.init.dense_checkpoint or os.path.join(p.artifacts_dir, "dense", "hf"))
+        model = upcycle(dense, vp.model, p.init.noise_std, p.init.noise_fraction, p.init.router_init_std,
+                        p.init.seed)
+    path = os.path.join(folder, "model.safetensors")  # the upcycle stage's layout: InitModel.load reads both
+    save_file(model.canonical_state_dict(), path)
+    write_json(os.path.join(folder, "config.json"), {"model_config": dataclasses.asdict(model.cfg),
+                                                      "source": f"{p.init.mode} ({vp.model.num_experts} experts)"})
+    return path
 
 
 def run_cell(a) -> None:
@@ -53,11 +85,11 @@ def run_cell(a) -> None:
     from spes.sync.methods import sync_method
 
     POOL.start(range(sync_method(vp.spes).nodes))
-    with prefect_api():
+    with prefect_api(), tempfile.TemporaryDirectory() as tmp:
         from pipelines.training import spes_training
 
         spes_training(params_path=a.params, overrides=overrides, stage="all", run_name=cell.run_name,
-                      init_path=os.path.join(p.artifacts_dir, "init", "model.safetensors"), on_mismatch="restart")
+                      init_path=_variant_init(p, vp, tmp), on_mismatch="restart")
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     run_ = Run(Store.from_config(vp.storage), cell.run_name)
     last = run_.latest_round()
@@ -81,6 +113,8 @@ def run_cell(a) -> None:
               "tokens": tokens, "trainable_params_per_node": mem["trainable_params"],
               "memory_bytes_per_node": mem["total_bytes"],
               "peak_bytes_per_node": max((n.upload.peak_bytes or 0 for n in rows), default=0) or None,
+              "state_bytes_per_node": max((n.upload.state_bytes or 0 for n in rows), default=0) or None,
+              "num_experts": vp.model.num_experts,
               "bytes_per_node_per_round": sum(n.bytes_up + n.bytes_down for n in rows) / max(1, len(rows)),
               "wall_s": sum(rec.wall_s for rec in records), "curve": curve, "round_windows": p.eval.round_windows}
     os.makedirs(a.out, exist_ok=True)
@@ -104,7 +138,11 @@ def report(a) -> None:
             results.append(json.load(fh))
     if missing:
         raise SystemExit(f"compare report: no result for {missing} (run `dvc repro compare/dvc.yaml`)")
+    from spes.eval.compare import check_matrix
+    from spes.train.plan import budget_bytes
+
     summary = summarize(p, results)
+    summary["node_memory"] = budget_bytes(p.compare.node_memory, check_matrix(p))
     md = report_markdown(p, summary)
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(md)

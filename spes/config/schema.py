@@ -277,6 +277,11 @@ class SyncConfig:
     in their local state, the aggregator its own beside the global model)."""
     int8_block: int = 256
     """Values per int8 scale (one fp32 scale per block)."""
+    average_optimizer_state: bool = False
+    """At each sync, nodes also upload their Adam moments (exp_avg, exp_avg_sq, fp32) of the averaged
+    parameters (SPES: the shared ones; the baselines: all), the aggregator averages them with the deltas'
+    weights into the global bundle, and every node continues from that mean (its step counts its own).
+    Costs twice those parameters' fp32 bytes up and down per round."""
 
 
 @dataclass
@@ -404,6 +409,10 @@ class CompareConfig:
     """Token budgets as multiples of spes.rounds (e.g. [1, 4]): does the gap shrink with tokens?"""
     baseline: str = "centralized"
     """The variant the others are divided by (ratio_to_centralized)."""
+    node_memory: Optional[str] = None
+    """A memory budget per node for the report (weights + gradients + Adam, by the planner): a variant's name
+    (what one of its nodes needs) or a size such as 40MiB. The report marks each variant within it or over it:
+    the paper's question, which method gives the best model with the memory each machine has."""
 
 
 @dataclass

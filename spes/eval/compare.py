@@ -2,8 +2,9 @@
 
 A *variant* is a named list of `key=value` overrides of params.yaml (`compare.variants`); the matrix is
 variants x `compare.seeds` x `compare.lrs` x `compare.budgets` (multiples of spes.rounds). Every run starts
-from the same tokens and the same initial model, and every variant trains on the same number of tokens:
-overrides that would change the data, the init or the token count are refused before anything trains.
+from the same tokens and the same initial model (a variant with another expert count: the same init recipe
+on the same dense model), and every variant trains on the same number of tokens: overrides that would change
+the data, the init recipe or the token count are refused before anything trains.
 """
 from __future__ import annotations
 
@@ -23,8 +24,10 @@ from spes.sync.methods import sync_method
 FIXED_PREFIXES = ("tokenize.", "init.", "dense.", "storage.", "artifacts_dir", "orchestration.run_name", "compare.",
                   "eval.")
 """What a variant may not override: the data, the initial model, where results go, how they are scored."""
-MODEL_MATH_KEYS = ("lb_loss_coef", "z_loss_coef", "z_loss_reduction", "lm_head_z_loss_coef", "experts_impl")
-"""The only model settings a variant may change: losses and implementation, not the architecture (the init)."""
+MODEL_MATH_KEYS = ("lb_loss_coef", "z_loss_coef", "z_loss_reduction", "lm_head_z_loss_coef", "experts_impl",
+                   "num_experts")
+"""The only model settings a variant may change: losses, implementation, and the expert count (whose initial
+model the init recipe makes anew from the same dense model: equal memory per node, compare.node_memory)."""
 
 
 def run_tokens(p: Params) -> int:
@@ -183,6 +186,8 @@ def summarize(p: Params, results: list[dict]) -> dict:
                 "tokens": runs[0]["tokens"], "trainable_params_per_node": runs[0]["trainable_params_per_node"],
                 "memory_bytes_per_node": runs[0]["memory_bytes_per_node"],
                 "peak_bytes_per_node": runs[0].get("peak_bytes_per_node"),
+                "state_bytes_per_node": runs[0].get("state_bytes_per_node"),
+                "num_experts": runs[0].get("num_experts"),
                 "bytes_per_node_per_round": statistics.fmean(r["bytes_per_node_per_round"] for r in runs),
                 "wall_s": statistics.fmean(r["wall_s"] for r in runs)})
     merge = {}
@@ -258,19 +263,28 @@ def report_markdown(p: Params, summary: dict) -> str:
            f"SE = standard error of one run's mean loss over its windows, clustered by document; the difference to "
            f"{c.baseline} is paired by seed and window, with its document-clustered standard error); baseline: "
            f"{c.baseline}.\n"]
+    mem_budget = summary.get("node_memory")
+    if mem_budget:
+        out.append(f"\nMemory per node: at most {_fmt_bytes(mem_budget)} MiB of weights + gradients + Adam "
+                   f"(compare.node_memory: {c.node_memory}); planned by spes/train/plan.py, measured = what a node's "
+                   "tensors held after its last step.\n")
     for budget in c.budgets:
         out += [f"\n## Budget {budget}x\n",
-                f"| variant | seeds | lr | held-out loss | SE | ratio to {c.baseline} | minus {c.baseline} (paired SE) "
-                "| tokens | trainable params / node | weights+grads+Adam MiB / node | MiB on the wire / node / round "
-                "| wall s |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                f"| variant | experts | seeds | lr | held-out loss | SE | ratio to {c.baseline} | minus {c.baseline} "
+                "(paired SE) | tokens | trainable params / node | weights+grads+Adam MiB / node (planned, measured)"
+                + (" | within the memory budget" if mem_budget else "") + " | MiB on the wire / node / round | wall s |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if mem_budget else "")]
         for r in (r for r in summary["rows"] if r["budget"] == budget):
             paired = "-" if r["diff_to_baseline"] is None else \
                 f"{r['diff_to_baseline']:+.4f} ({r['diff_to_baseline_se']:.4f})"
-            out.append(f"| {r['variant']} | {r['seeds']} | {r['lr']:g} | {r['heldout_loss_mean']:.4f} +- "
+            within = "" if not mem_budget else \
+                f" {'yes' if r['memory_bytes_per_node'] <= mem_budget else 'no'} |"
+            out.append(f"| {r['variant']} | {r.get('num_experts') or '-'} | {r['seeds']} | {r['lr']:g} | "
+                       f"{r['heldout_loss_mean']:.4f} +- "
                        f"{r['heldout_loss_std']:.4f} | {r['heldout_loss_se']:.4f} | {r['ratio_to_centralized']:.4f} | "
                        f"{paired} | "
-                       f"{r['tokens']} | {r['trainable_params_per_node']} | {_fmt_bytes(r['memory_bytes_per_node'])} | "
+                       f"{r['tokens']} | {r['trainable_params_per_node']} | {_fmt_bytes(r['memory_bytes_per_node'])}, "
+                       f"{_fmt_bytes(r.get('state_bytes_per_node'))} |{within} "
                        f"{_fmt_bytes(r['bytes_per_node_per_round'])} | {r['wall_s']:.0f} |")
     if summary["merge"]:
         out += ["\n## Expert-merging warm-up (spes - spes-no-merge, paired by seed and lr)\n",
@@ -312,4 +326,4 @@ def report_markdown(p: Params, summary: dict) -> str:
 CSV_COLUMNS = ["variant", "budget", "seeds", "lr", "heldout_loss_mean", "heldout_loss_std", "heldout_loss_se",
                "ratio_to_centralized", "diff_to_baseline", "diff_to_baseline_se", "tokens",
                "trainable_params_per_node", "memory_bytes_per_node", "peak_bytes_per_node",
-               "bytes_per_node_per_round", "wall_s"]
+               "bytes_per_node_per_round", "wall_s", "num_experts", "state_bytes_per_node"]

@@ -38,6 +38,7 @@ from spes.storage.store import BundleWriter, Store
 from spes.sync.codecs import make_codec
 from spes.sync.deltas import (
     EXPERTS_FILE,
+    MOMENTS_FILE,
     SHARED_FILE,
     add_decoded,
     add_decoded_rows,
@@ -47,7 +48,7 @@ from spes.sync.deltas import (
     read_parts,
 )
 from spes.sync.merging import merge_layer
-from spes.sync.methods import node_weights, sync_method
+from spes.sync.methods import node_weights, sync_method, weighted_sum
 
 log = logging.getLogger("spes.round.aggregator")
 
@@ -152,6 +153,8 @@ class _Round:
                     k += len(group)
             for i, rdr in list(shared_in.items()) + list(experts_in.items()):
                 self._finish(i, rdr)
+            if self.p.sync.average_optimizer_state:
+                self._moments(st, glob)
         expert_files = {}
         for j in owners:
             ref = ExpertRef(rows=self.rows(j))
@@ -161,6 +164,28 @@ class _Round:
                                 entry["bytes"])
             expert_files[experts_file(j)] = ref
         return delta, glob, expert_files
+
+    def _moments(self, st, glob: BundleWriter) -> None:
+        """sync.average_optimizer_state: the weighted mean of the nodes' Adam moments into the global bundle,
+        tensor by tensor; every node's file must hold the same tensors."""
+        readers = {i: self._node_reader(st, i, MOMENTS_FILE) for i in self.nodes}
+        specs = {i: _shapes(self.uploads[i]["files"][MOMENTS_FILE]) for i in self.nodes}
+        first = specs[self.nodes[0]]
+        for i in self.nodes:
+            if specs[i] != first:
+                raise _BadUpload(i, f"{self.store.url}/{self.layout.node_dir(self.r, i)}/{MOMENTS_FILE}: holds "
+                                    f"other tensors than node {self.nodes[0]}'s")
+        with glob.stream(MOMENTS_FILE, [(n, torch.float32, first[n]) for n in sorted(first)]) as w:
+            for name in sorted(first):
+                ts = []
+                for i in self.nodes:
+                    try:
+                        ts.append(readers[i].read(name))
+                    except IntegrityError as e:
+                        raise _BadUpload(i, str(e)) from None
+                w.write(name, weighted_sum(ts, self.weights))
+        for i, rdr in readers.items():
+            self._finish(i, rdr)
 
     def _node_reader(self, st, i: int, fname: str):
         rel = self.layout.node_dir(self.r, i)

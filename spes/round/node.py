@@ -33,7 +33,7 @@ from spes.run.records import GlobalMeta, NodeReport, StateRef, UploadMeta
 from spes.run.run import Run
 from spes.storage.store import BundleWriter, Store
 from spes.sync.codecs import make_codec
-from spes.sync.deltas import EXPERTS_FILE, encode_upload, experts_file
+from spes.sync.deltas import EXPERTS_FILE, MOMENTS_FILE, averaged_moments, encode_upload, experts_file
 from spes.sync.methods import sync_method
 from spes.train.devices import resolve_device
 from spes.train.distributed import broadcast_object, broadcast_tensors, rank_and_size, shards_node
@@ -192,6 +192,10 @@ def read_inputs(p: Params, store: Store, run: str, r: int, node: int, from_check
         ref = ref_k
     local.discard_after(ref.round if ref else 0)
     state = local.load_state(ref, store, layout.state_dir(ref.round, node)) if ref else None
+    if state is not None and p.sync.average_optimizer_state and MOMENTS_FILE in prev_manifest["files"]:
+        # every node continues from the mean of the nodes' moments of the averaged parameters
+        mean = store.read_bundle(layout.global_dir(r - 1), [MOMENTS_FILE], prev_manifest).files[MOMENTS_FILE]
+        state.optim.update({k: v for k, v in mean.items() if k in state.optim})
     codec = make_codec(p.sync.codec, p.sync.int8_block)
     # its own experts' rows in the delta are the bytes it uploaded last: no need to download them back
     own_cached = {experts_file(node): (state.experts_sha256, state.experts_upload)} \
@@ -202,9 +206,10 @@ def read_inputs(p: Params, store: Store, run: str, r: int, node: int, from_check
         raise StorageError(f"node {node}: global {r - 1} as held here does not hash to the committed {prev_sha[:12]}")
     owned = tuple(membership.owners[node])
     if state is not None and state.owned is not None and state.owned != owned:
-        log.warning("node %d round %d: trains experts %s (gave away %s; took over %s, which start with a fresh "
-                    "optimizer state)", node, r, list(owned), sorted(set(state.owned) - set(owned)),
-                    sorted(set(owned) - set(state.owned)))
+        gave, took = sorted(set(state.owned) - set(owned)), sorted(set(owned) - set(state.owned))
+        log.warning("node %d round %d: trains experts %s%s%s", node, r, list(owned),
+                    f"; gave away {gave}" if gave else "",
+                    f"; took over {took}, which start with a fresh optimizer state" if took else "")
     position = state.data_position if state is not None else (r - 1) * p.spes.sync_steps
     return RoundInputs(prev, prev_sha, prev_meta.model_config, state, ref, local, owned, membership.slots[node],
                        position)
@@ -249,6 +254,7 @@ class Trained:
     device: torch.device
     seconds_load: float
     seconds_compute: float
+    state_bytes: int
 
 
 def _data_stream(p: Params, data: TokenData, job: Assignment, batch: int) -> BatchStream:
@@ -301,7 +307,8 @@ def train(p: Params, r: int, node: int, data: TokenData, prev: dict, optim: dict
         if on_step is not None:
             on_step(i)
     losses = torch.stack(losses).tolist()  # the round's one wait for the device
-    return Trained(trainer, stream.position, losses, tokens, counts, device, t_load, time.perf_counter() - t1)
+    return Trained(trainer, stream.position, losses, tokens, counts, device, t_load, time.perf_counter() - t1,
+                   trainer.state_bytes())
 
 
 def commit(p: Params, store: Store, run: str, r: int, node: int, inputs: RoundInputs, t: Trained,
@@ -321,6 +328,8 @@ def commit(p: Params, store: Store, run: str, r: int, node: int, inputs: RoundIn
                     for n, v in residual.items()}
     files, residual = encode_upload(sync_method(s), codec, inputs.prev, trained, t.trainer.owned, residual,
                                     p.sync.error_feedback)
+    if p.sync.average_optimizer_state:
+        files[MOMENTS_FILE] = averaged_moments(sync_method(s), optim)
     saved = local.save_state(r, t.position, optim, residual, files.get(EXPERTS_FILE, {}), t.trainer.owned)
     if checkpoint:  # the same files, so the same digest: a resume can take it from either place
         store.remove(layout.state_dir(r, node))
@@ -333,7 +342,8 @@ def commit(p: Params, store: Store, run: str, r: int, node: int, inputs: RoundIn
         loss_mean=sum(t.losses) / len(t.losses), losses=t.losses,
         expert_load=t.counts.cpu().tolist() if t.counts is not None else [], ranks=rank_and_size()[1],
         bytes_down=store.bytes_read - bytes_read0, seconds_load=t.seconds_load, seconds_compute=t.seconds_compute,
-        device=str(dev), peak_bytes=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None)
+        device=str(dev), peak_bytes=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
+        state_bytes=t.state_bytes)
     rel = layout.node_dir(r, node)
     up = BundleWriter(store, rel)
     for fname, parts in files.items():

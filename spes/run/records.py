@@ -130,6 +130,8 @@ class UploadMeta(Record):
     device: str
     peak_bytes: Optional[int] = None
     bytes_up_files: int = 0
+    state_bytes: Optional[int] = None
+    """Weights, gradients and Adam moments the node's (first) rank held after its last step, counted."""
     version: int = RECORD_VERSION
 
 

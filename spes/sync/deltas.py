@@ -24,6 +24,21 @@ from spes.sync.codecs import Codec
 from spes.sync.methods import SyncMethod
 
 SHARED_FILE, EXPERTS_FILE = "shared.safetensors", "experts.safetensors"
+MOMENTS_FILE = "moments.safetensors"
+"""sync.average_optimizer_state: a node's Adam moments of the averaged parameters (upload), their mean (global)."""
+MOMENT_KINDS = ("exp_avg", "exp_avg_sq")
+
+
+def averaged_moments(method: SyncMethod, optim: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The Adam moments among a node's optimizer tensors (spes/train/trainer.py's names) of the parameters
+    the method averages: what sync.average_optimizer_state uploads."""
+    out = {}
+    for key, t in optim.items():
+        base, _, kind = key.rpartition("::")
+        canonical = base.split("[", 1)[0]  # an expert range's tensor: its canonical name
+        if kind in MOMENT_KINDS and method.is_averaged(canonical):
+            out[key] = t
+    return out
 
 
 def experts_file(owner: int) -> str:

@@ -259,6 +259,25 @@ def plan_owning(cfg: ModelConfig, s: SpesConfig, experts: int, ranks: int = 1) -
     return plan_node(cfg, SpesConfig(**{**s.__dict__, "method": "spes", **own}), 0, ranks)
 
 
+def budget_bytes(budget: Optional[str], variants: dict) -> Optional[int]:
+    """compare.node_memory in bytes: a variant's planned per-node weights + gradients + Adam (its largest
+    node), or a size; None without a budget. `variants`: name -> its resolved Params."""
+    if budget is None:
+        return None
+    if budget in variants:
+        return node_peak_state(variants[budget])
+    try:
+        return parse_bytes(budget)
+    except ValueError:
+        raise ConfigError(f"compare.node_memory must be a variant ({sorted(variants)}) or a size like 40MiB, "
+                          f"got {budget!r}") from None
+
+
+def node_peak_state(vp) -> int:
+    """The planned weights + gradients + Adam of a run's largest node."""
+    return max(node_memory(vp.model, vp.spes, i)["total_bytes"] for i in range(sync_method(vp.spes).nodes))
+
+
 def max_experts_fitting(cfg: ModelConfig, s: SpesConfig, memory: int, ranks: int = 1, who: str = "the node",
                         owning: Optional[dict] = None) -> int:
     """The most experts per layer a SPES node with `memory` per GPU can own (the others frozen), or ConfigError

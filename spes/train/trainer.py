@@ -98,6 +98,16 @@ class NodeTrainer:
             [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=1e-8)
 
+    def state_bytes(self) -> int:
+        """Bytes this rank holds now of weights (trainable and frozen, in their dtypes), gradients and Adam
+        moments: after a step, the memory the planner calls weights + gradients + Adam (activations aside)."""
+        def nbytes(t) -> int:
+            t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor shard under fsdp
+            return t.numel() * t.element_size()
+
+        total = sum(nbytes(p) + (nbytes(p.grad) if p.grad is not None else 0) for p in self.model.parameters())
+        return total + sum(nbytes(st[k]) for st in self.optimizer.state.values() for k in KINDS if k in st)
+
     def trainable_named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
 

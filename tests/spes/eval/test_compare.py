@@ -100,7 +100,7 @@ def test_summary_exact_numbers():
     mean, std, n = s["merge"][1]  # paired by (seed, lr): -0.05, -0.15, -0.4, -0.2
     assert n == 4 and mean == pytest.approx(-0.2) and std == pytest.approx(0.1471960144, rel=1e-6)
     md = report_markdown(p, s)
-    assert "| spes | 2 | 0.001 | 3.1000 +- 0.1414 | 0.0100 | 1.1923 |" in md
+    assert "| spes | - | 2 | 0.001 | 3.1000 +- 0.1414 | 0.0100 | 1.1923 |" in md
     assert "| spes | 1x | 0.002 | 3.6000 | 0.1414 |" in md
 
 
@@ -125,6 +125,50 @@ def test_paired_difference_to_the_baseline():
 def test_the_extra_comparisons_validate(name):
     p = load_params(os.path.join(os.path.dirname(PARAMS_YAML), "configs", name))
     assert set(check_matrix(p)) == {"spes", "centralized"}
+
+
+@pytest.mark.parametrize("name,variants", [
+    ("compare-churn.yaml", {"spes", "spes-churn", "centralized"}),
+    ("compare-optstate.yaml", {"spes", "spes-avgopt", "fedavg", "fedavg-avgopt", "centralized"}),
+    ("compare-memory.yaml", {"spes", "fedavg-e5", "diloco-e5", "centralized-e5", "centralized"})])
+def test_the_studies_validate(name, variants):
+    p = load_params(os.path.join(os.path.dirname(PARAMS_YAML), "configs", name))
+    assert set(check_matrix(p)) == variants
+
+
+def test_equal_memory_per_node_the_largest_expert_count_that_fits():
+    """compare-memory: the full-model methods at 5 experts fit what a SPES node of 8 experts holds; 6 would not;
+    every variant's initial model differs only in its expert count."""
+    from spes.train.plan import budget_bytes, node_peak_state
+
+    p = load_params(os.path.join(os.path.dirname(PARAMS_YAML), "configs", "compare-memory.yaml"))
+    v = check_matrix(p)
+    budget = budget_bytes(p.compare.node_memory, v)
+    assert budget == node_peak_state(v["spes"])
+    assert all(node_peak_state(v[n]) <= budget for n in ("fedavg-e5", "diloco-e5", "centralized-e5"))
+    assert node_peak_state(v["centralized"]) > budget
+    six = variant_params(p, "fedavg-e5")
+    six.model.num_experts = 6
+    assert node_peak_state(six) > budget
+    assert _diff(v["spes"], v["fedavg-e5"]) == {"spes.method", "model.num_experts"}
+    assert budget_bytes("40MiB", v) == 40 * 2**20 and budget_bytes(None, v) is None
+    with pytest.raises(ConfigError, match="compare.node_memory must be a variant .* or a size like 40MiB, got 'lots'"):
+        budget_bytes("lots", v)
+
+
+def test_the_report_marks_each_variant_within_the_memory_budget_or_over_it():
+    p = load_params(PARAMS_YAML)
+    p.compare.variants = {"spes": [], "centralized": ["spes.method=centralized"]}
+    p.compare.node_memory = "spes"
+    results = [_result("spes", 0, 0.002, 3.0, memory_bytes_per_node=2 * 2**20, state_bytes_per_node=3 * 2**20,
+                       num_experts=8),
+               _result("centralized", 0, 0.002, 2.9, memory_bytes_per_node=4 * 2**20, num_experts=8)]
+    s = summarize(p, results)
+    s["node_memory"] = 2 * 2**20
+    md = report_markdown(p, s)
+    assert "Memory per node: at most 2.00 MiB of weights + gradients + Adam (compare.node_memory: spes)" in md
+    rows = [line for line in md.splitlines() if line.startswith("| spes |") or line.startswith("| centralized |")]
+    assert "| 2.00, 3.00 | yes |" in rows[0] and "| 4.00, - | no |" in rows[1]
 
 
 def test_clustered_standard_errors():

@@ -307,3 +307,31 @@ def test_a_finished_run_keeps_on_the_node_machine_only_what_a_resume_needs(tmp_p
                       "node-001": ["base", "rounds"]}, "next": {"node-000": ["base", "rounds"]}}
     assert forget_finished_run(p, store, "done", 1).endswith("node-001")
     assert "done" not in held()
+
+
+def test_averaged_optimizer_state_is_the_weighted_mean_of_the_nodes_moments(tmp_path, data):
+    """sync.average_optimizer_state: global 1 holds the mean of the two nodes' Adam moments of the shared
+    parameters (not of their experts), and each node's round 2 starts from it (its step count its own)."""
+    from spes.round.node import read_inputs
+    from spes.sync.deltas import MOMENTS_FILE
+
+    p = make_params(tmp_path, average_optimizer_state=True)
+    run = start(p)
+    do_round(p, run, data, 1)
+    ups = [run.store.read_bundle(run.layout.node_dir(1, i)).files[MOMENTS_FILE] for i in (0, 1)]
+    mean = run.store.read_bundle(run.layout.global_dir(1)).files[MOMENTS_FILE]
+    assert set(mean) == set(ups[0]) == set(ups[1]) and "model.norm.weight::exp_avg_sq" in mean
+    assert not any(".experts." in k or k.endswith("::step") for k in mean)
+    for k, t in mean.items():
+        assert torch.equal(t, weighted_sum([ups[0][k], ups[1][k]], [0.5, 0.5])), k
+        assert not torch.equal(ups[0][k], ups[1][k])
+    for i in (0, 1):
+        optim = read_inputs(p, run.store, "r", 2, i).state.optim
+        assert all(torch.equal(optim[k], mean[k]) for k in mean)
+        assert any(".experts." in k for k in optim)  # its own experts keep their own moments
+    plain = make_params(tmp_path, name="plain")
+    run2 = start(plain)
+    do_round(plain, run2, data, 1)
+    assert MOMENTS_FILE not in run2.store.read_manifest(run2.layout.global_dir(1))["files"]
+    assert run2.store.read_bundle(run2.layout.global_dir(1)).files[MODEL_FILE].keys() == \
+        run.store.read_bundle(run.layout.global_dir(1)).files[MODEL_FILE].keys()

@@ -159,3 +159,16 @@ def test_the_wsd_schedule_warms_up_holds_then_decays_linearly():
     assert lr_at(75, o, 100) == 1.0 and lr_at(100, o, 100) == pytest.approx(0.1)
     assert lr_at(80, o, 100) == pytest.approx(1.0 - 0.9 * 5 / 25)
     assert lr_at(80, o, 200) == 1.0  # a longer run: still stable at that step
+
+
+def test_state_bytes_counts_weights_gradients_and_adam_as_the_planner_does():
+    from spes.config.schema import SpesConfig
+    from spes.train.plan import node_memory
+
+    cfg = tiny_config()
+    s = SpesConfig(num_nodes=2, frozen_dtype="bfloat16")
+    tr = build_node_trainer(s, CausalLM(cfg), 1)
+    x = torch.randint(0, 96, (2, 8))
+    tr.train_step(x, x, 0)
+    plan = node_memory(cfg, s, 1)
+    assert tr.state_bytes() == plan["total_bytes"]  # weights (frozen in bf16) + fp32 grads and two moments
