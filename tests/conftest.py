@@ -39,6 +39,21 @@ def tiny():
     return tiny_config
 
 
+def start_run(p, name: str = "r"):
+    """Round 0 of run `name` on p's storage: the same seeded from-scratch model of p.model every time."""
+    import torch
+
+    from spes.model.transformer import CausalLM
+    from spes.run.identity import InitModel, settings_fingerprint
+    from spes.run.run import Run
+    from spes.storage.store import Store
+
+    torch.manual_seed(0)
+    run = Run(Store.from_config(p.storage), name)
+    run.ensure(settings_fingerprint(p), InitModel.from_state(CausalLM(p.model).canonical_state_dict(), p.model, "x"))
+    return run
+
+
 def json_sources() -> list[str]:
     """Real text on every machine: the stdlib json package's source."""
     return sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")))

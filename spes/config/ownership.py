@@ -30,17 +30,7 @@ class Ownership:
 
     @classmethod
     def from_lists(cls, lists: list[list[int]], num_experts: int) -> "Ownership":
-        seen: dict[int, int] = {}
-        for node, experts in enumerate(lists):
-            for e in experts:
-                if not 0 <= e < num_experts:
-                    raise OwnershipError(f"ownership: node {node} lists expert {e}, outside [0, {num_experts})")
-                if e in seen:
-                    raise OwnershipError(f"ownership: expert {e} is owned by nodes {seen[e]} and {node}")
-                seen[e] = node
-        missing = sorted(set(range(num_experts)) - set(seen))
-        if missing:
-            raise OwnershipError(f"ownership: experts {missing} have no owner")
+        check_owners({node: tuple(experts) for node, experts in enumerate(lists)}, num_experts)
         return cls(num_experts, tuple(tuple(sorted(x)) for x in lists))
 
     @classmethod

@@ -1,19 +1,15 @@
 """The round driver: the real round (nodes, aggregation, record, retention) as the flow, tests and benches run it."""
 import pytest
-import torch
 
 from spes.config.schema import Params
 from spes.data.tokens import TokenData
 from spes.errors import QuorumError
-from spes.model.transformer import CausalLM
 from spes.round.aggregator import Aggregator
 from spes.round.driver import HeldOutProbe, checkpoint_due, run_round
 from spes.round.node import node_round
-from spes.run.identity import InitModel, settings_fingerprint
+from spes.run.identity import settings_fingerprint
 from spes.run.records import NodeReport
-from spes.run.run import Run
-from spes.storage.store import Store
-from tests.conftest import tiny_config
+from tests.conftest import start_run, tiny_config
 
 
 def _params(tmp_path, **spes) -> Params:
@@ -31,11 +27,7 @@ def _params(tmp_path, **spes) -> Params:
     return p
 
 
-def _start(p: Params) -> Run:
-    torch.manual_seed(0)
-    run = Run(Store.from_config(p.storage), "r")
-    run.ensure(settings_fingerprint(p), InitModel.from_state(CausalLM(p.model).canonical_state_dict(), p.model, "x"))
-    return run
+_start = start_run
 
 
 def _nodes(p, run, data, r):

@@ -8,16 +8,12 @@ from spes.config.ownership import check_owners
 from spes.config.schema import Params
 from spes.data.tokens import TokenData
 from spes.errors import MembershipError
-from spes.model.transformer import CausalLM
 from spes.round.aggregator import aggregate_round
 from spes.round.node import node_round
-from spes.run.identity import InitModel, settings_fingerprint
 from spes.run.layout import MODEL_FILE
 from spes.run.membership import request
-from spes.run.run import Run
-from spes.storage.store import Store
 from spes.sync.methods import sync_method
-from tests.conftest import tiny_config
+from tests.conftest import start_run, tiny_config
 
 E = 6
 EXPERT = "model.layers.0.mlp.experts.down_proj"
@@ -36,11 +32,7 @@ def _params(tmp_path, name) -> Params:
     return p
 
 
-def _start(p: Params) -> Run:
-    torch.manual_seed(0)
-    run = Run(Store.from_config(p.storage), "r")
-    run.ensure(settings_fingerprint(p), InitModel.from_state(CausalLM(p.model).canonical_state_dict(), p.model, "x"))
-    return run
+_start = start_run
 
 
 def _round(p, run, data, r, nodes):
