@@ -99,7 +99,7 @@ def test_dvc_repro_end_to_end(tmp_path):
         assert int(rows[v]["tokens"]) == res["tokens"] == 2 * 4 * 32 * 4 * 2  # nodes x batch x seq x steps x rounds
     assert float(rows["spes"]["ratio_to_centralized"]) == runs["spes"]["heldout_loss"] / runs["centralized"]["heldout_loss"]
     assert int(rows["centralized"]["trainable_params_per_node"]) > int(rows["spes"]["trainable_params_per_node"])
-    assert "| centralized | 8 | 1 | 0.002 |" in (proj / "artifacts/compare/report.md").read_text()
+    assert "| centralized | 4 | 1 | 0.002 |" in (proj / "artifacts/compare/report.md").read_text()
     plots = subprocess.run(dvc + ["plots", "show", "--json"], cwd=proj, env=env, capture_output=True, text=True)
     assert plots.returncode == 0 and "spes (1x)" in plots.stdout and "centralized (1x)" in plots.stdout
     node_loss = json.loads(plots.stdout)["data"]["artifacts/eval/node_loss.csv"][0]["content"]
