@@ -17,8 +17,7 @@ import argparse
 
 from spes.config.loader import load_params
 from spes.errors import ConfigError, MembershipError, StorageError
-from spes.run.membership import committed_membership, request
-from spes.run.run import Run
+from spes.run.membership import latest_membership, request
 from spes.storage.store import Store
 from spes.sync.methods import sync_method
 from spes.train.plan import max_experts_fitting, parse_bytes
@@ -38,10 +37,7 @@ def main(argv=None) -> None:
         run = a.run or p.orchestration.run_name
         store, method = Store.from_config(p.storage), sync_method(p.spes)
         if a.action == "show":
-            latest = Run(store, run).latest_round()
-            if latest is None:
-                raise MembershipError(f"run {run!r} has no committed round on {store.url}")
-            m = committed_membership(store, run, latest, method)
+            latest, m = latest_membership(store, run, method)
             print(f"run {run}: round {latest + 1}'s members")
             for n in m.members:
                 cap = f", at most {m.caps[n]} experts" if n in m.caps else ""

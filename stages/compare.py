@@ -23,14 +23,13 @@ from stages.common import prefect_env_defaults, run, write_json
 
 
 def _load(params_path: str):
+    """The params, every variant checked before anything trains, and the memory budget in bytes (or None)."""
     from spes.config.loader import load_params
     from spes.eval.compare import check_matrix
     from spes.train.plan import budget_bytes
 
     p = load_params(params_path)
-    resolved = check_matrix(p)  # every variant checked before anything trains
-    budget_bytes(p.compare.node_memory, resolved)
-    return p
+    return p, budget_bytes(p.compare.node_memory, check_matrix(p))
 
 
 def _variant_init(p, vp, folder: str) -> str:
@@ -71,7 +70,7 @@ def run_cell(a) -> None:
     from spes.storage.store import Store
     from spes.train.plan import node_memory
 
-    p = _load(a.params)
+    p, _ = _load(a.params)
     if a.variant not in p.compare.variants:
         raise SystemExit(f"compare: no variant {a.variant!r} in compare.variants ({sorted(p.compare.variants)})")
     cell = Cell(a.variant, int(a.seed), float(a.lr), int(a.budget))
@@ -125,7 +124,7 @@ def run_cell(a) -> None:
 def report(a) -> None:
     from spes.eval.compare import CSV_COLUMNS, cells, report_markdown, summarize
 
-    p = _load(a.params)
+    p, node_memory = _load(a.params)
     out = a.dir or os.path.join(p.artifacts_dir, "compare")
     runs_dir = os.path.join(out, "runs")
     results, missing = [], []
@@ -138,11 +137,8 @@ def report(a) -> None:
             results.append(json.load(fh))
     if missing:
         raise SystemExit(f"compare report: no result for {missing} (run `dvc repro compare/dvc.yaml`)")
-    from spes.eval.compare import check_matrix
-    from spes.train.plan import budget_bytes
-
     summary = summarize(p, results)
-    summary["node_memory"] = budget_bytes(p.compare.node_memory, check_matrix(p))
+    summary["node_memory"] = node_memory
     md = report_markdown(p, summary)
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(md)

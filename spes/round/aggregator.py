@@ -331,7 +331,7 @@ class Aggregator:
         prev_meta = GlobalMeta.from_json(prev["meta"], f"{store.url}/{prev_rel}")
         base_sha = prev["files"][MODEL_FILE]["sha256"]
         num_experts = prev_meta.model_config.get("num_experts", 0)
-        membership = membership_of(prev_meta, method, num_experts)
+        membership = membership_of(prev_meta, method)
         members = membership.members
         need = min(min_nodes if min_nodes is not None else len(members), len(members))
         rejected: dict[int, str] = {}

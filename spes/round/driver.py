@@ -90,8 +90,7 @@ def _align_schedule(p: Params, run: Run) -> None:
 
 def round_members(p: Params, run: Run, r: int) -> list[int]:
     """The nodes that train round r: its membership, recorded in global r-1 (spes/run/membership.py)."""
-    meta = run.global_meta(r - 1)
-    return membership_of(meta, sync_method(p.spes), meta.model_config.get("num_experts", 0)).members
+    return membership_of(run.global_meta(r - 1), sync_method(p.spes)).members
 
 
 def run_round(p: Params, run: Run, r: int, run_nodes: NodeRunner, aggregate: Aggregate, checkpoint: bool,

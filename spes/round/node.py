@@ -179,7 +179,7 @@ def read_inputs(p: Params, store: Store, run: str, r: int, node: int, from_check
         _SWEPT.add((store.url, run, info["run_id"], node))
     prev_manifest = store.read_manifest(layout.global_dir(r - 1))
     prev_meta = GlobalMeta.from_json(prev_manifest["meta"], f"{store.url}/{layout.global_dir(r - 1)}")
-    membership = membership_of(prev_meta, sync_method(p.spes), prev_meta.model_config.get("num_experts", 0))
+    membership = membership_of(prev_meta, sync_method(p.spes))
     if node not in membership.owners:
         raise MembershipError(f"node {node} is not a member of run {run!r} in round {r} (members "
                               f"{membership.members}); to take part again: python -m spes.members join --node {node}")

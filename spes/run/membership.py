@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from spes.errors import MembershipError, NotCommitted, OwnershipError, RecordError
+from spes.errors import MembershipError, OwnershipError, RecordError
 from spes.run.layout import RunLayout
 from spes.run.records import GlobalMeta, Membership, Record
 from spes.run.run import Run
@@ -62,9 +62,11 @@ def initial_membership(method: SyncMethod, num_experts: int) -> Membership:
     return Membership({n: list(e) for n, e in owners.items()}, {n: n for n in owners}, {})
 
 
-def membership_of(meta: GlobalMeta, method: SyncMethod, num_experts: int) -> Membership:
+def membership_of(meta: GlobalMeta, method: SyncMethod) -> Membership:
     """Who trains what in the round after `meta`'s global."""
-    return meta.membership if meta.membership is not None else initial_membership(method, num_experts)
+    if meta.membership is not None:
+        return meta.membership
+    return initial_membership(method, meta.model_config.get("num_experts", 0))
 
 
 def read_requests(store: Store, layout: RunLayout) -> list[Request]:
@@ -93,12 +95,13 @@ def _write(store: Store, layout: RunLayout, req: Request, exclusive: bool) -> No
         store.write_bytes(rel, data)
 
 
-def _latest_membership(store: Store, run: str, method: SyncMethod) -> tuple[int, Membership]:
-    r = Run(store, run).latest_round()
+def latest_membership(store: Store, run: str, method: SyncMethod) -> tuple[int, Membership]:
+    """(latest committed round r, who trains what in round r+1)."""
+    handle = Run(store, run)
+    r = handle.latest_round()
     if r is None:
         raise MembershipError(f"run {run!r} has no committed round on {store.url}: start it first")
-    meta = Run(store, run).global_meta(r)
-    return r, membership_of(meta, method, meta.model_config.get("num_experts", 0))
+    return r, membership_of(handle.global_meta(r), method)
 
 
 def request(store: Store, run: str, method: SyncMethod, kind: str, node: int,
@@ -111,9 +114,9 @@ def request(store: Store, run: str, method: SyncMethod, kind: str, node: int,
         raise MembershipError(f"a membership request is one of {KINDS}, got {kind!r}")
     if not (isinstance(node, int) and 0 <= node <= MAX_NODE_ID):
         raise MembershipError(f"node ids are integers in [0, {MAX_NODE_ID}], got {node!r}")
-    r, mem = _latest_membership(store, run, method)
-    pending = [q for q in read_requests(store, layout) if q.at_round is None]
-    members = set(mem.members) - {q.node for q in pending if q.kind == "leave"}
+    r, mem = latest_membership(store, run, method)
+    known = {(q.kind, q.node): q for q in read_requests(store, layout)}
+    members = set(mem.members) - {n for (k, n), q in known.items() if k == "leave" and q.at_round is None}
     if kind == "join" and node in mem.owners:
         raise MembershipError(f"node {node} is already a member of run {run!r} (members after round {r}: "
                               f"{mem.members}); choose another id")
@@ -121,8 +124,8 @@ def request(store: Store, run: str, method: SyncMethod, kind: str, node: int,
         raise MembershipError(f"node {node} is not a member of run {run!r} (members after round {r}: {mem.members})")
     if kind == "leave" and members == {node}:
         raise MembershipError(f"node {node} is the last member of run {run!r}: its experts would have no owner")
-    if store.exists(request_file(layout, kind, node)):
-        old = next(q for q in read_requests(store, layout) if (q.kind, q.node) == (kind, node))
+    old = known.get((kind, node))
+    if old is not None:
         if old.at_round is None:
             raise MembershipError(f"node {node}: a {kind} request of run {run!r} is already pending")
         store.remove(request_file(layout, kind, node))  # applied (or refused) long ago: a new one replaces it
@@ -206,17 +209,6 @@ def stamp(store: Store, layout: RunLayout, requests: list[Request]) -> None:
     """Record on each request the round that applies it (before that round's global is committed)."""
     for q in requests:
         _write(store, layout, q, exclusive=False)
-
-
-def committed_membership(store: Store, run: str, r: int, method: SyncMethod) -> Membership:
-    """Who trains what in round r+1, from committed global r."""
-    layout = RunLayout(run)
-    try:
-        m = store.read_manifest(layout.global_dir(r))
-    except NotCommitted:
-        raise MembershipError(f"run {run!r}: global {r} is not committed") from None
-    meta = GlobalMeta.from_json(m["meta"], f"{store.url}/{layout.global_dir(r)}")
-    return membership_of(meta, method, meta.model_config.get("num_experts", 0))
 
 
 def request_planned(store: Store, run: str, method: SyncMethod, plan: list[tuple[int, str, int]], r: int) -> None:

@@ -15,9 +15,10 @@ from typing import Optional
 
 import torch
 
+from spes.sync.deltas import MOMENT_KINDS
+
 _RANGED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.(?:gate_up_proj|down_proj))\[(\d+):(\d+)\]$")
 _CHUNK = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.chunks\.\d+\.(gate_up_proj|down_proj)$")
-KINDS = ("exp_avg", "exp_avg_sq")
 
 
 def ranged_name(canonical: str, start: int, end: int) -> str:
@@ -80,7 +81,7 @@ def chunk_state(tensors: dict[str, torch.Tensor], canonical: str, start: int,
         raise ValueError(f"optimizer state of {canonical}[{start}:{end}]: experts {missing} have none"
                          if missing else f"optimizer state of {canonical}[{start}:{end}]: step counts {sorted(steps)}")
     out = {"step": torch.tensor([steps.pop()], dtype=torch.float64)}
-    for kind in KINDS:
+    for kind in MOMENT_KINDS:
         out[kind] = torch.stack([tensors[f"{base}::{kind}"][row] for base, row in pieces])
     return out
 

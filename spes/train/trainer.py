@@ -19,10 +19,11 @@ from spes.config.schema import OptimConfig, SpesConfig
 from spes.model.losses import decayed_lb_factor
 from spes.model.moe import MoE
 from spes.model.transformer import CausalLM, ModelOutput
+from spes.sync.deltas import MOMENT_KINDS
 from spes.sync.methods import sync_method
 from spes.train.devices import AUTOCAST_DTYPES, autocast
 from spes.train.distributed import broadcast_object, rank_and_size, shards_node
-from spes.train.expert_state import KINDS, canonical_of_chunk, chunk_state, parse_ranged, ranged_name
+from spes.train.expert_state import canonical_of_chunk, chunk_state, parse_ranged, ranged_name
 
 
 def stable_end(cfg: OptimConfig, total_steps: int) -> int:
@@ -106,7 +107,7 @@ class NodeTrainer:
             return t.numel() * t.element_size()
 
         total = sum(nbytes(p) + (nbytes(p.grad) if p.grad is not None else 0) for p in self.model.parameters())
-        return total + sum(nbytes(st[k]) for st in self.optimizer.state.values() for k in KINDS if k in st)
+        return total + sum(nbytes(st[k]) for st in self.optimizer.state.values() for k in MOMENT_KINDS if k in st)
 
     def trainable_named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
@@ -230,7 +231,7 @@ class NodeTrainer:
         out = {}
         for n in names:
             if n in stored:
-                out[n] = {"step": tensors[f"{n}::step"], **{k: tensors[f"{n}::{k}"] for k in KINDS}}
+                out[n] = {"step": tensors[f"{n}::step"], **{k: tensors[f"{n}::{k}"] for k in MOMENT_KINDS}}
             elif n not in shared:
                 canonical, chunk = canonical_of_chunk(n), self.model.get_submodule(n.rsplit(".", 1)[0])
                 st = chunk_state(tensors, canonical, chunk.start, chunk.end)
@@ -251,9 +252,9 @@ class NodeTrainer:
             if name not in steps:
                 continue
             if self.fsdp:
-                moments = {k: scatter(states[name][k] if self.lead else None, p) for k in KINDS}
+                moments = {k: scatter(states[name][k] if self.lead else None, p) for k in MOMENT_KINDS}
             else:
-                moments = {k: states[name][k].to(device=p.device, dtype=p.dtype, copy=True) for k in KINDS}
+                moments = {k: states[name][k].to(device=p.device, dtype=p.dtype, copy=True) for k in MOMENT_KINDS}
             self.optimizer.state[p] = {"step": torch.tensor(steps[name]), **moments}
 
 
