@@ -6,7 +6,8 @@
         every window), tokens, per-node trainable params and memory, bytes on the wire per node per round,
         wall time, the held-out curve
     python -m stages.compare report [--dir DIR]
-        DIR/report.md, report.csv, heldout_curves.csv (dvc plots) and .svg (offline) from DIR/runs/<cell>/result.json (DIR:
+        DIR/report.md, report.csv, pairs.csv (compare.pairs), heldout_curves.csv (dvc plots) and .svg (offline)
+        from DIR/runs/<cell>/result.json (DIR:
         artifacts/compare), and the table as a Prefect markdown artifact
 """
 from __future__ import annotations
@@ -122,7 +123,7 @@ def run_cell(a) -> None:
 
 
 def report(a) -> None:
-    from spes.eval.compare import CSV_COLUMNS, cells, report_markdown, summarize
+    from spes.eval.compare import CSV_COLUMNS, PAIR_COLUMNS, cells, report_markdown, summarize
 
     p, node_memory = _load(a.params)
     out = a.dir or os.path.join(p.artifacts_dir, "compare")
@@ -146,6 +147,10 @@ def report(a) -> None:
         w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
         w.writeheader()
         w.writerows(summary["rows"])
+    with open(os.path.join(out, "pairs.csv"), "w", newline="") as f:  # written (maybe empty): a DVC out
+        w = csv.DictWriter(f, fieldnames=PAIR_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows({**x, "per_seed": " ".join(f"{d:.6f}" for d in x["per_seed"])} for x in summary["pairs"])
     curves = _write_curves(os.path.join(out, "heldout_curves.csv"), summary["rows"], results)
     from spes.eval.svg_plot import line_plot_svg, series_of
 

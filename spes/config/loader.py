@@ -35,8 +35,9 @@ from spes.errors import ConfigError, OwnershipError
 
 DEPLOYMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
-REPLACED = ("compare.variants",)
-"""Settings an including file replaces whole instead of merging into (see _load_with_includes)."""
+REPLACED = {"compare.variants": ("compare.variants", "compare.pairs"), "compare.pairs": ("compare.pairs",)}
+"""Settings an including file replaces whole instead of merging into, and what each replaces: the pairs name
+variants, so new variants drop the included pairs as well (see _load_with_includes)."""
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -295,9 +296,11 @@ def _load_with_includes(path: str, seen: tuple[str, ...]) -> list:
     if not isinstance(include, str):
         raise ConfigError(f"{path}: include must be one file name, got {include!r}")
     below = _load_with_includes(os.path.join(os.path.dirname(path), include), seen + (real,))
-    for key in REPLACED:  # a named set, not merged: the including file's variants are the variants
-        if OmegaConf.select(loaded, key) is not None:
-            parent, _, leaf = key.rpartition(".")
+    for key, dropped in REPLACED.items():  # named sets, not merged: the including file's variants are the variants
+        if OmegaConf.select(loaded, key) is None:
+            continue
+        for gone in dropped:
+            parent, _, leaf = gone.rpartition(".")
             for cfg in below:
                 node = OmegaConf.select(cfg, parent)
                 if isinstance(node, DictConfig) and leaf in node:

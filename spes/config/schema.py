@@ -409,6 +409,10 @@ class CompareConfig:
     """Token budgets as multiples of spes.rounds (e.g. [1, 4]): does the gap shrink with tokens?"""
     baseline: str = "centralized"
     """The variant the others are divided by (ratio_to_centralized)."""
+    pairs: dict[str, str] = field(default_factory=dict)
+    """Variant -> the variant it is set against (params.yaml: spes -> spes-no-merge): the report gives each
+    pair's difference, paired by seed, lr and held-out window, its document-clustered and seed standard errors,
+    and whether it is beyond both. A file that writes compare.variants replaces these too (they name variants)."""
     node_memory: Optional[str] = None
     """A memory budget per node for the report (weights + gradients + Adam, by the planner): a variant's name
     (what one of its nodes needs) or a size such as 40MiB. The report marks each variant within it or over it:

@@ -92,6 +92,10 @@ def check_matrix(p: Params) -> dict[str, Params]:
         check_name(name, f"compare.variants.{name}")
     if c.baseline not in c.variants:
         raise ConfigError(f"compare.baseline {c.baseline!r} is not one of compare.variants {sorted(c.variants)}")
+    for variant, reference in c.pairs.items():
+        if variant not in c.variants or reference not in c.variants or variant == reference:
+            raise ConfigError(f"compare.pairs.{variant}: {variant!r} -> {reference!r} must name two different "
+                              f"variants of compare.variants {sorted(c.variants)}")
     if not c.seeds or not c.lrs or not c.budgets:
         raise ConfigError("compare.seeds, compare.lrs and compare.budgets must each list at least one value")
     if any(lr <= 0 for lr in c.lrs) or any(b < 1 for b in c.budgets) or len(set(c.seeds)) != len(c.seeds):
@@ -190,17 +194,48 @@ def summarize(p: Params, results: list[dict]) -> dict:
                 "num_experts": runs[0].get("num_experts"),
                 "bytes_per_node_per_round": statistics.fmean(r["bytes_per_node_per_round"] for r in runs),
                 "wall_s": statistics.fmean(r["wall_s"] for r in runs)})
-    merge = {}
-    if "spes" in p.compare.variants and "spes-no-merge" in p.compare.variants:
-        for budget in p.compare.budgets:
-            a = {(r["seed"], r["lr"]): r["heldout_loss"] for r in results if r["variant"] == "spes" and r["budget"] == budget}
-            b = {(r["seed"], r["lr"]): r["heldout_loss"] for r in results
-                 if r["variant"] == "spes-no-merge" and r["budget"] == budget}
-            diffs = [a[k] - b[k] for k in sorted(set(a) & set(b))]
-            if diffs:
-                merge[budget] = _mean_std(diffs) + (len(diffs),)
-    return {"rows": rows, "sweep": {f"{v}|{b}|{lr}": ms for (v, b, lr), ms in sorted(sweep.items())}, "merge": merge,
+    return {"rows": rows, "sweep": {f"{v}|{b}|{lr}": ms for (v, b, lr), ms in sorted(sweep.items())},
+            "pairs": paired_comparisons(p, by),
             "frontier": frontier(p, rows, by), "slice": slice_agreement(results)}
+
+
+def verdict(diff: Optional[float], se: Optional[float], per_seed: list[float]) -> str:
+    """'better' or 'worse' only when the difference is beyond both kinds of noise: more than twice its
+    document-clustered SE (which windows were scored) and twice its SE over seeds (how training went), with
+    every seed on the same side; else 'within noise' ('one seed' where the second kind is unknown)."""
+    if diff is None:
+        return "-"
+    if len(per_seed) < 2:
+        return "one seed"
+    seed_se = statistics.stdev(per_seed) / math.sqrt(len(per_seed))
+    same_side = all(d < 0 for d in per_seed) or all(d > 0 for d in per_seed)
+    if same_side and abs(diff) > 2 * se and abs(diff) > 2 * seed_se:
+        return "better" if diff < 0 else "worse"
+    return "within noise"
+
+
+def paired_comparisons(p: Params, runs: dict) -> list[dict]:
+    """compare.pairs: per pair, budget and learning rate both ran, variant minus reference paired by seed and
+    held-out window (`runs`: (variant, budget, lr) -> results): the mean difference, its document-clustered SE,
+    each seed's difference, their SE over seeds and the verdict."""
+    out = []
+    for variant, reference in p.compare.pairs.items():
+        for budget in p.compare.budgets:
+            for lr in p.compare.lrs:
+                a, b = runs.get((variant, budget, lr), []), runs.get((reference, budget, lr), [])
+                base = {r["seed"]: r for r in b}
+                per_seed = [paired_difference([r], [base[r["seed"]]])[0] for r in sorted(a, key=lambda r: r["seed"])
+                            if r["seed"] in base]
+                per_seed = [d for d in per_seed if d is not None]
+                if not per_seed:
+                    continue
+                diff, se = paired_difference(a, b)
+                out.append({"variant": variant, "reference": reference, "budget": budget, "lr": lr,
+                            "seeds": len(per_seed), "diff": diff, "diff_se": se, "per_seed": per_seed,
+                            "seed_se": statistics.stdev(per_seed) / math.sqrt(len(per_seed))
+                            if len(per_seed) > 1 else None,
+                            "verdict": verdict(diff, se, per_seed)})
+    return out
 
 
 def slice_agreement(results: list[dict]) -> Optional[dict]:
@@ -231,7 +266,8 @@ def frontier(p: Params, rows: list[dict], runs: Optional[dict] = None) -> list[d
         method = sync_method(vp.spes)
         if method.nodes < 2:  # one node: nothing between nodes to trade against
             continue
-        label = vp.spes.method + ("+nesterov" if vp.spes.shared_outer == "nesterov" else "")
+        label = (vp.spes.method + ("+nesterov" if vp.spes.shared_outer == "nesterov" else "")
+                 + ("+avgopt" if vp.sync.average_optimizer_state else ""))
         out.append({"variant": r["variant"], "budget": r["budget"], "lr": r["lr"], "method": label,
                     "sync_steps": vp.spes.sync_steps, "heldout_loss_mean": r["heldout_loss_mean"],
                     "heldout_loss_std": r["heldout_loss_std"], "seeds": r["seeds"],
@@ -286,11 +322,18 @@ def report_markdown(p: Params, summary: dict) -> str:
                        f"{r['tokens']} | {r['trainable_params_per_node']} | {_fmt_bytes(r['memory_bytes_per_node'])}, "
                        f"{_fmt_bytes(r.get('state_bytes_per_node'))} |{within} "
                        f"{_fmt_bytes(r['bytes_per_node_per_round'])} | {r['wall_s']:.0f} |")
-    if summary["merge"]:
-        out += ["\n## Expert-merging warm-up (spes - spes-no-merge, paired by seed and lr)\n",
-                "| budget | mean difference | std | pairs |", "|---|---|---|---|"]
-        for budget, (mean, std, n) in sorted(summary["merge"].items()):
-            out.append(f"| {budget}x | {mean:+.4f} | {std:.4f} | {n} |")
+    if summary.get("pairs"):
+        out += ["\n## Paired comparisons (compare.pairs: variant minus reference, same seed, lr and held-out "
+                "windows)\n",
+                "Beyond noise ('better'/'worse') = more than twice the document-clustered SE and twice the SE over "
+                "seeds away from zero, every seed on the same side; otherwise 'within noise'.\n",
+                "| variant | reference | budget | lr | seeds | difference | document-clustered SE | per seed | "
+                "SE over seeds | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for x in summary["pairs"]:
+            seed_se = "-" if x["seed_se"] is None else f"{x['seed_se']:.4f}"
+            out.append(f"| {x['variant']} | {x['reference']} | {x['budget']}x | {x['lr']:g} | {x['seeds']} | "
+                       f"{x['diff']:+.4f} | {x['diff_se']:.4f} | {', '.join(f'{d:+.4f}' for d in x['per_seed'])} | "
+                       f"{seed_se} | {x['verdict']} |")
     if summary.get("frontier"):
         out += ["\n## Sync interval: held-out loss against bytes on the wire (frontier.svg)\n",
                 "Bytes each node moves (uploads and downloads) per training token it sees; fewer local steps per "
@@ -327,3 +370,4 @@ CSV_COLUMNS = ["variant", "budget", "seeds", "lr", "heldout_loss_mean", "heldout
                "ratio_to_centralized", "diff_to_baseline", "diff_to_baseline_se", "tokens",
                "trainable_params_per_node", "memory_bytes_per_node", "peak_bytes_per_node",
                "bytes_per_node_per_round", "wall_s", "num_experts", "state_bytes_per_node"]
+PAIR_COLUMNS = ["variant", "reference", "budget", "lr", "seeds", "diff", "diff_se", "per_seed", "seed_se", "verdict"]

@@ -41,6 +41,7 @@ def test_dvc_repro_end_to_end(tmp_path):
     params = _merge(yaml.safe_load(open(os.path.join(ROOT, "params.yaml"))), TINY)
     params["orchestration"]["node_cache_dir"] = str(tmp_path / "node-cache")
     params["compare"]["variants"] = TINY["compare"]["variants"]  # replaced, not merged
+    params["compare"]["pairs"] = {"spes": "centralized"}  # params.yaml's names a variant the tiny matrix lacks
     (proj / "params.yaml").write_text(yaml.safe_dump(params))
     env = dict(os.environ, PYTHONPATH=str(proj), PREFECT_HOME=str(tmp_path / "prefect"),
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
@@ -100,6 +101,9 @@ def test_dvc_repro_end_to_end(tmp_path):
     assert float(rows["spes"]["ratio_to_centralized"]) == runs["spes"]["heldout_loss"] / runs["centralized"]["heldout_loss"]
     assert int(rows["centralized"]["trainable_params_per_node"]) > int(rows["spes"]["trainable_params_per_node"])
     assert "| centralized | 4 | 1 | 0.002 |" in (proj / "artifacts/compare/report.md").read_text()
+    (pair,) = csv.DictReader(open(proj / "artifacts/compare/pairs.csv"))  # one seed: no verdict on noise
+    assert (pair["variant"], pair["reference"], pair["verdict"]) == ("spes", "centralized", "one seed")
+    assert float(pair["diff"]) == pytest.approx(runs["spes"]["heldout_loss"] - runs["centralized"]["heldout_loss"])
     plots = subprocess.run(dvc + ["plots", "show", "--json"], cwd=proj, env=env, capture_output=True, text=True)
     assert plots.returncode == 0 and "spes (1x)" in plots.stdout and "centralized (1x)" in plots.stdout
     node_loss = json.loads(plots.stdout)["data"]["artifacts/eval/node_loss.csv"][0]["content"]

@@ -109,9 +109,10 @@ def test_includes(tmp_path):
 
 def test_the_schema_defaults_are_the_embedded_defaults():
     """One source of defaults: a unit test's Params() computes what `dvc repro` on params.yaml computes
-    (compare.variants aside: a dict default would be merged into, not replaced)."""
+    (compare.variants and compare.pairs aside: a dict default would be merged into, not replaced)."""
     schema, file = flatten(to_dict(Params())), flatten(to_dict(load_params(os.path.join(ROOT, "params.yaml"))))
-    differ = {k: (schema.get(k), v) for k, v in file.items() if schema.get(k) != v and not k.startswith("compare.variants")}
+    differ = {k: (schema.get(k), v) for k, v in file.items() if schema.get(k) != v
+              and not k.startswith(("compare.variants", "compare.pairs"))}
     assert not differ
 
 

@@ -57,6 +57,7 @@ def test_variants_differ_only_in_what_they_name_and_train_on_equal_tokens():
 def test_bad_matrices_are_refused_in_one_line(variants, message):
     p = load_params(PARAMS_YAML)
     p.compare.variants = {**variants, "centralized": ["spes.method=centralized"]}
+    p.compare.pairs = {}
     with pytest.raises(ConfigError, match=message) as e:
         check_matrix(p)
     assert "\n" not in str(e.value)
@@ -97,8 +98,6 @@ def test_summary_exact_numbers():
     assert rows["centralized"]["lr"] == 0.002 and rows["centralized"]["wall_s"] == 8.0
     assert rows["spes"]["ratio_to_centralized"] == pytest.approx(3.1 / 2.6)
     assert rows["centralized"]["ratio_to_centralized"] == 1.0
-    mean, std, n = s["merge"][1]  # paired by (seed, lr): -0.05, -0.15, -0.4, -0.2
-    assert n == 4 and mean == pytest.approx(-0.2) and std == pytest.approx(0.1471960144, rel=1e-6)
     md = report_markdown(p, s)
     assert "| spes | - | 2 | 0.001 | 3.1000 +- 0.1414 | 0.0100 | 1.1923 |" in md
     assert "| spes | 1x | 0.002 | 3.6000 | 0.1414 |" in md
@@ -107,6 +106,7 @@ def test_summary_exact_numbers():
 def test_paired_difference_to_the_baseline():
     p = load_params(PARAMS_YAML)
     p.compare.variants = {"spes": [], "centralized": ["spes.method=centralized"]}
+    p.compare.pairs = {}
     results = [_result("spes", 0, 0.002, 3.0, heldout_windows=[3.0, 2.0, 4.0]),
                _result("spes", 1, 0.002, 3.1, heldout_windows=[3.2, 2.1, 4.0]),
                _result("centralized", 0, 0.002, 2.9, heldout_windows=[2.9, 1.9, 3.9]),
@@ -119,6 +119,63 @@ def test_paired_difference_to_the_baseline():
     assert "| +0.1000 (0.0289) |" in report_markdown(p, summarize(p, results))
     no_windows = [dict(r, heldout_windows=None) for r in results]
     assert summarize(p, no_windows)["rows"][0]["diff_to_baseline"] is None
+
+
+def _windows(variant, seed, windows, docs=(0, 0, 1, 1)):
+    return _result(variant, seed, 0.002, sum(windows) / len(windows), heldout_windows=list(windows),
+                   heldout_documents=list(docs))
+
+
+def test_paired_comparisons_and_their_verdict():
+    """compare.pairs: variant minus reference by seed and window; 'better'/'worse' only beyond twice the
+    document-clustered SE, twice the SE over seeds and with every seed on one side."""
+    import math
+
+    from spes.eval.compare import clustered_se, verdict
+
+    p = load_params(PARAMS_YAML)
+    p.compare.variants = {"spes": [], "spes-no-merge": ["spes.merge.enabled=false"], "spes-k1": ["spes.merge.top_k=1"],
+                          "spes-a02": ["spes.merge.alpha_start=0.2"], "centralized": ["spes.method=centralized"]}
+    p.compare.pairs = {"spes": "spes-no-merge", "spes-k1": "spes-no-merge", "spes-a02": "spes-no-merge"}
+    check_matrix(p)
+    ref = [1.0, 2.0, 3.0, 4.0]
+    results = [_windows("spes-no-merge", 0, ref), _windows("spes-no-merge", 1, ref),
+               _windows("centralized", 0, ref), _windows("centralized", 1, ref),
+               # every window 0.2 (seed 0) and 0.3 (seed 1) lower: no window noise, seeds agree
+               _windows("spes", 0, [x - 0.2 for x in ref]), _windows("spes", 1, [x - 0.3 for x in ref]),
+               # the seeds disagree in sign
+               _windows("spes-k1", 0, [x - 0.1 for x in ref]), _windows("spes-k1", 1, [x + 0.05 for x in ref]),
+               # both seeds lower on average, but one document up and one down: within the window noise
+               _windows("spes-a02", 0, [0.5, 1.5, 3.4, 4.4]), _windows("spes-a02", 1, [0.5, 1.5, 3.4, 4.4])]
+    pairs = {x["variant"]: x for x in summarize(p, results)["pairs"]}
+    a = pairs["spes"]
+    assert (a["reference"], a["seeds"], a["lr"]) == ("spes-no-merge", 2, 0.002)
+    assert a["per_seed"] == pytest.approx([-0.2, -0.3]) and a["diff"] == pytest.approx(-0.25)
+    assert a["diff_se"] == pytest.approx(0.0, abs=1e-12) and a["seed_se"] == pytest.approx(0.05)
+    assert a["verdict"] == "better"
+    assert pairs["spes-k1"]["per_seed"] == pytest.approx([-0.1, 0.05]) and pairs["spes-k1"]["verdict"] == "within noise"
+    c = pairs["spes-a02"]
+    d = [-0.5, -0.5, 0.4, 0.4]
+    assert c["diff"] == pytest.approx(-0.05) and c["seed_se"] == pytest.approx(0.0, abs=1e-12)
+    assert c["diff_se"] == pytest.approx(clustered_se(d, [0, 0, 1, 1]) / math.sqrt(2))
+    assert c["verdict"] == "within noise"
+    assert verdict(0.3, 0.1, [0.2, 0.4]) == "worse" and verdict(-0.3, 0.1, [-0.3]) == "one seed"
+    md = report_markdown(p, summarize(p, results))
+    assert "| spes | spes-no-merge | 1x | 0.002 | 2 | -0.2500 | 0.0000 | -0.2000, -0.3000 | 0.0500 | better |" in md
+    p.compare.pairs = {"spes": "nope"}
+    with pytest.raises(ConfigError, match=r"compare.pairs.spes: 'spes' -> 'nope' must name two different variants"):
+        check_matrix(p)
+
+
+def test_a_preset_with_its_own_variants_drops_the_included_pairs(tmp_path):
+    (tmp_path / "base.yaml").write_text(open(PARAMS_YAML).read())
+    (tmp_path / "study.yaml").write_text("include: base.yaml\ncompare:\n  variants:\n    spes: []\n"
+                                         "    centralized: [spes.method=centralized]\n")
+    (tmp_path / "pairs.yaml").write_text("include: base.yaml\ncompare:\n  pairs: {spes-int8: spes}\n")
+    assert load_params(PARAMS_YAML).compare.pairs == {"spes": "spes-no-merge"}
+    study = load_params(str(tmp_path / "study.yaml"))
+    assert study.compare.pairs == {} and set(check_matrix(study)) == {"spes", "centralized"}
+    assert load_params(str(tmp_path / "pairs.yaml")).compare.pairs == {"spes-int8": "spes"}  # replaced, not merged
 
 
 @pytest.mark.parametrize("name", ["compare-lr.yaml", "compare-budget.yaml"])
@@ -134,6 +191,19 @@ def test_the_extra_comparisons_validate(name):
 def test_the_studies_validate(name, variants):
     p = load_params(os.path.join(os.path.dirname(PARAMS_YAML), "configs", name))
     assert set(check_matrix(p)) == variants
+
+
+def test_the_merging_study_sets_each_variant_against_its_no_merge_twin():
+    """compare-merge: a pair differs in the merge settings only (same nodes, experts, batch and interval), and
+    every variant that merges has its twin."""
+    p = load_params(os.path.join(os.path.dirname(PARAMS_YAML), "configs", "compare-merge.yaml"))
+    v = check_matrix(p)
+    for variant, reference in p.compare.pairs.items():
+        assert not v[reference].spes.merge.enabled and v[variant].spes.merge.enabled
+        assert all(k.startswith("spes.merge.") for k in _diff(v[variant], v[reference])), variant
+    merging = {n for n, x in v.items() if x.spes.method == "spes" and x.spes.merge.enabled}
+    assert set(p.compare.pairs) == merging and len(merging) == 15
+    assert (v["spes-8n16e"].model.num_experts, sync_method(v["spes-8n16e"].spes).nodes) == (16, 8)
 
 
 def test_equal_memory_per_node_the_largest_expert_count_that_fits():
@@ -159,6 +229,7 @@ def test_equal_memory_per_node_the_largest_expert_count_that_fits():
 def test_the_report_marks_each_variant_within_the_memory_budget_or_over_it():
     p = load_params(PARAMS_YAML)
     p.compare.variants = {"spes": [], "centralized": ["spes.method=centralized"]}
+    p.compare.pairs = {}
     p.compare.node_memory = "spes"
     results = [_result("spes", 0, 0.002, 3.0, memory_bytes_per_node=2 * 2**20, state_bytes_per_node=3 * 2**20,
                        num_experts=8),
@@ -220,12 +291,12 @@ def test_the_sync_interval_frontier_exact_numbers():
                for i, v in enumerate(p.compare.variants)]
     s = summarize(p, results)
     front = {f["variant"]: f for f in s["frontier"]}
-    assert "centralized" not in front and len(front) == 12
+    assert "centralized" not in front and len(front) == 16
     # spes-s10 (index 1): 2000 bytes per round x 50 rounds over 1000 / 2 tokens per node
     assert front["spes-s10"]["bytes_per_node_per_token"] == 2000.0 * 50 / 500
     assert front["fedavg-s100"]["sync_steps"] == 100 and front["fedavg-s100"]["method"] == "fedavg"
     assert [(f["method"], f["sync_steps"]) for f in s["frontier"]] == [
-        (m, k) for m in ("fedavg", "spes", "spes+nesterov") for k in (10, 25, 50, 100)]
+        (m, k) for m in ("fedavg", "spes", "spes+avgopt", "spes+nesterov") for k in (10, 25, 50, 100)]
     assert "| spes | 1x | 10 | 1 | 3.1000 +- 0.0000 | - | - | 200.0 |" in report_markdown(p, s)  # no windows
     windows = [_result(v, 0, 0.002, 3.0 + i / 10, tokens=1000, heldout_windows=[3.0 + i / 10, 2.0 + i / 5])
                for i, v in enumerate(p.compare.variants)]
@@ -235,8 +306,10 @@ def test_the_sync_interval_frontier_exact_numbers():
     assert front["spes"]["diff_to_base_interval"] == 0.0 and front["fedavg-s10"]["diff_to_base_interval"] == \
         pytest.approx(0.15)
     assert front["spes-nesterov-s10"]["diff_to_base_interval"] == pytest.approx(0.15)  # against spes-nesterov
+    assert front["spes-avgopt-s10"]["diff_to_base_interval"] == pytest.approx(0.15)  # against spes-avgopt
     p.compare.variants = {"spes": [], "fedavg": ["spes.method=fedavg"], "centralized": ["spes.method=centralized"]}
-    assert summarize(p, results[:1] + results[4:5] + results[12:])["frontier"] == []  # one interval: no frontier
+    p.compare.pairs = {}
+    assert summarize(p, results[:1] + results[4:5] + results[16:])["frontier"] == []  # one interval: no frontier
 
 
 def test_window_documents_of_spread_windows(tiny_tokens):
