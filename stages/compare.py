@@ -5,6 +5,9 @@
         initial model; DIR/result.json: held-out loss (whole split, with its standard error and the loss of
         every window), tokens, per-node trainable params and memory, bytes on the wire per node per round,
         wall time, the held-out curve
+    python -m stages.compare dvcfile --params configs/compare-<study>.yaml
+        compare/<study>/dvc.yaml: the study's cells and report as DVC stages (results under
+        artifacts/compare-<study>/), so `dvc repro compare/<study>/dvc.yaml` reproduces it
     python -m stages.compare report [--dir DIR]
         DIR/report.md, report.csv, pairs.csv (compare.pairs), heldout_curves.csv (dvc plots) and .svg (offline)
         from DIR/runs/<cell>/result.json (DIR:
@@ -189,6 +192,65 @@ def _write_curves(path: str, rows: list[dict], results: list[dict]) -> list[dict
     return out
 
 
+STUDY_PREFIX = "compare-"
+
+
+def study_name(params_path: str) -> str:
+    """configs/compare-merge.yaml -> 'merge': where its DVC file (compare/merge/) and results go."""
+    base = os.path.splitext(os.path.basename(params_path))[0]
+    if not base.startswith(STUDY_PREFIX) or base == STUDY_PREFIX:
+        raise SystemExit(f"compare dvcfile: {params_path} is not a study preset (configs/{STUDY_PREFIX}<study>.yaml)")
+    return base[len(STUDY_PREFIX):]
+
+
+def study_dvcfile(params_path: str) -> dict:
+    """The DVC stages of one study preset: the matrix of its cells, written out (a preset inherits some of
+    compare.* from params.yaml, which DVC's `vars` cannot follow), each cell a run stage, then the report;
+    the layout of compare/dvc.yaml, with the preset's file as a params dependency beside params.yaml's."""
+    from spes.eval.compare import has_frontier
+
+    p, _ = _load(params_path)
+    preset = params_path.replace(os.sep, "/")
+    out = f"artifacts/{STUDY_PREFIX}{study_name(params_path)}"
+    c = p.compare
+    run_params = [{preset: []}, {"params.yaml": ["model", "spes", "data", "sync", "eval"]}]
+    report_outs = ["report.md", "report.csv", "pairs.csv", "heldout_curves.csv", "heldout_curves.svg"]
+    if has_frontier(p):
+        report_outs.append("frontier.svg")
+    return {
+        "stages": {
+            "run": {
+                "matrix": {"variant": list(c.variants), "seed": list(c.seeds), "lr": list(c.lrs),
+                           "budget": list(c.budgets)},
+                "wdir": "../..",
+                "cmd": f"python -m stages.compare run --params {preset} --variant ${{item.variant}} --seed "
+                       f"${{item.seed}} --lr ${{item.lr}} --budget ${{item.budget}} --out {out}/runs/${{key}}",
+                "deps": ["stages/compare.py", "stages/rounds.py", "spes", "pipelines", "artifacts/tokens",
+                         "artifacts/init"],
+                "params": run_params,
+                "outs": [{f"{out}/runs/${{key}}/result.json": {"cache": False}}]},
+            "report": {
+                "wdir": "../..",
+                "cmd": f"python -m stages.compare report --params {preset} --dir {out}",
+                "deps": ["stages/compare.py", "spes/eval/compare.py", f"{out}/runs"],
+                "params": [{preset: []}],
+                "outs": [{f"{out}/{name}": {"cache": False}} for name in report_outs]}},
+        "plots": [{"heldout loss vs tokens": {"template": "compare_lines", "x": "tokens",
+                                              "y": {f"../../{out}/heldout_curves.csv": "heldout_loss"}}}]}
+
+
+def write_dvcfile(a) -> None:
+    import yaml
+
+    body = yaml.safe_dump(study_dvcfile(a.params), sort_keys=False, width=1000)
+    path = os.path.join("compare", study_name(a.params), "dvc.yaml")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(f"# Made by `python -m stages.compare dvcfile --params {a.params}`: do not edit, regenerate.\n"
+                f"# `dvc repro {path}` runs this study's cells and report (see {a.params}).\n" + body)
+    print(f"compare: wrote {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -197,10 +259,11 @@ def main() -> None:
         r.add_argument(f"--{k}", required=True)
     rep = sub.add_parser("report")
     rep.add_argument("--dir", default=None, help="where the cells' results are (runs/) and the report goes")
-    for s in (r, rep):
+    gen = sub.add_parser("dvcfile")
+    for s in (r, rep, gen):
         s.add_argument("--params", default="params.yaml")
     a = ap.parse_args()
-    (run_cell if a.cmd == "run" else report)(a)
+    {"run": run_cell, "report": report, "dvcfile": write_dvcfile}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -254,6 +254,13 @@ def slice_agreement(results: list[dict]) -> Optional[dict]:
             "max_abs_diff": max(abs(d) for d in diffs), "pairs_same_order": same / len(pairs)}
 
 
+def has_frontier(p: Params) -> bool:
+    """Whether the matrix's multi-node variants sync at more than one interval (the report then plots loss
+    against traffic, frontier.svg)."""
+    intervals = {vp.spes.sync_steps for vp in check_matrix(p).values() if sync_method(vp.spes).nodes > 1}
+    return len(intervals) > 1
+
+
 def frontier(p: Params, rows: list[dict], runs: Optional[dict] = None) -> list[dict]:
     """Held-out loss against communication, when the variants sync at different intervals: per summary row of
     a method with several nodes, its sync interval and the bytes each node moves (up and down) per training

@@ -202,7 +202,7 @@ def test_the_merging_study_sets_each_variant_against_its_no_merge_twin():
         assert not v[reference].spes.merge.enabled and v[variant].spes.merge.enabled
         assert all(k.startswith("spes.merge.") for k in _diff(v[variant], v[reference])), variant
     merging = {n for n, x in v.items() if x.spes.method == "spes" and x.spes.merge.enabled}
-    assert set(p.compare.pairs) == merging and len(merging) == 15
+    assert set(p.compare.pairs) == merging and len(merging) == 14
     assert (v["spes-8n16e"].model.num_experts, sync_method(v["spes-8n16e"].spes).nodes) == (16, 8)
 
 

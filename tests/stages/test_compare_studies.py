@@ -1,0 +1,53 @@
+"""Each study preset (configs/compare-<study>.yaml) has its DVC file, compare/<study>/dvc.yaml, exactly as
+`python -m stages.compare dvcfile` makes it from the preset: `dvc repro compare/<study>/dvc.yaml` reproduces
+the study, and a changed preset without a regenerated file fails here."""
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from stages.compare import study_dvcfile, study_name
+from tests.conftest import ROOT
+
+PRESETS = sorted(os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "configs", "compare-*.yaml")))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_study_has_its_dvc_file_as_generated(preset, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    path = os.path.join(ROOT, "compare", study_name(preset), "dvc.yaml")
+    assert os.path.exists(path), f"run: python -m stages.compare dvcfile --params {preset}"
+    assert yaml.safe_load(open(path)) == study_dvcfile(preset), f"regenerate: python -m stages.compare dvcfile --params {preset}"
+
+
+def test_no_study_dvc_file_without_its_preset():
+    studies = {os.path.basename(os.path.dirname(f)) for f in glob.glob(os.path.join(ROOT, "compare", "*", "dvc.yaml"))}
+    assert studies == {study_name(p) for p in PRESETS}
+
+
+def test_the_merging_study_as_dvc_stages(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    d = study_dvcfile("configs/compare-merge.yaml")
+    run, report = d["stages"]["run"], d["stages"]["report"]
+    m = run["matrix"]
+    assert len(m["variant"]) * len(m["seed"]) * len(m["lr"]) * len(m["budget"]) == 36
+    assert "--params configs/compare-merge.yaml" in run["cmd"] and "--out artifacts/compare-merge/runs/${key}" in run["cmd"]
+    assert {"configs/compare-merge.yaml": []} in run["params"]
+    outs = [next(iter(o)) for o in report["outs"]]
+    assert "artifacts/compare-merge/pairs.csv" in outs and not any(o.endswith("frontier.svg") for o in outs)
+    assert any(next(iter(o)).endswith("frontier.svg") for o in study_dvcfile("configs/compare-sync.yaml")["stages"]["report"]["outs"])
+    listed = subprocess.run([sys.executable, "-m", "dvc", "stage", "list", "compare/merge/dvc.yaml"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    stages = [line.split()[0] for line in listed.stdout.splitlines() if line.strip()]
+    assert len(stages) == 37 and "compare/merge/dvc.yaml:run@spes-8n16e-k15-1-0.002-1" in stages
+
+
+def test_study_name_refuses_a_file_that_is_not_a_study():
+    assert study_name("configs/compare-sync.yaml") == "sync"
+    for bad in ("params.yaml", "configs/spes-1b.yaml", "configs/compare-.yaml"):
+        with pytest.raises(SystemExit, match="is not a study preset"):
+            study_name(bad)
