@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import dataclasses
 import json
 import os
 import sys
@@ -37,30 +36,26 @@ def _load(params_path: str):
 
 
 def _variant_init(p, vp, folder: str) -> str:
-    """The initial model of a variant with another expert count than the main pipeline's: the same init
-    recipe (init.*: upcycled from the same dense model, or from scratch) at its expert count; else the main
-    pipeline's artifacts/init."""
-    main_init = os.path.join(p.artifacts_dir, "init", "model.safetensors")
-    if vp.model.num_experts == p.model.num_experts:
-        return main_init
-    import torch
+    """The initial model of a variant: the main pipeline's artifacts/init when its record says the study's
+    init recipe (init.*) made it at the variant's expert count; else made anew by that recipe (the same dense
+    model upcycled to another count, or a study from scratch) into `folder`."""
     from safetensors.torch import save_file
 
-    from spes.model.hf import load_hf
-    from spes.model.transformer import CausalLM
-    from spes.model.upcycle import upcycle
+    from spes.model.initial import init_record, init_source, initial_model, made_by
 
-    torch.manual_seed(p.init.seed)
-    if p.init.mode == "scratch":
-        model = CausalLM(vp.model)
-    else:
-        dense = load_hf(p.init.dense_checkpoint or os.path.join(p.artifacts_dir, "dense", "hf"))
-        model = upcycle(dense, vp.model, p.init.noise_std, p.init.noise_fraction, p.init.router_init_std,
-                        p.init.seed)
+    main = os.path.join(p.artifacts_dir, "init")
+    source = init_source(vp.init, p.artifacts_dir)
+    try:
+        with open(os.path.join(main, "config.json")) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        record = {}
+    if made_by(record, vp.model, vp.init, source):
+        return os.path.join(main, "model.safetensors")
+    model, _ = initial_model(vp.model, vp.init, p.artifacts_dir)
     path = os.path.join(folder, "model.safetensors")  # the upcycle stage's layout: InitModel.load reads both
     save_file(model.canonical_state_dict(), path)
-    write_json(os.path.join(folder, "config.json"), {"model_config": dataclasses.asdict(model.cfg),
-                                                      "source": f"{p.init.mode} ({vp.model.num_experts} experts)"})
+    write_json(os.path.join(folder, "config.json"), init_record(model, vp.init, source))
     return path
 
 

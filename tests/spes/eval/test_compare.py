@@ -193,17 +193,21 @@ def test_the_studies_validate(name, variants):
     assert set(check_matrix(p)) == variants
 
 
-def test_the_merging_study_sets_each_variant_against_its_no_merge_twin():
-    """compare-merge: a pair differs in the merge settings only (same nodes, experts, batch and interval), and
-    every variant that merges has its twin."""
-    p = load_params(os.path.join(os.path.dirname(PARAMS_YAML), "configs", "compare-merge.yaml"))
+@pytest.mark.parametrize("name,merging,init", [("compare-merge.yaml", 14, "upcycle"),
+                                               ("compare-scratch.yaml", 4, "scratch")])
+def test_the_merging_studies_set_each_variant_against_its_no_merge_twin(name, merging, init):
+    """compare-merge and compare-scratch: a pair differs in the merge settings only (same nodes, experts,
+    batch and interval), and every variant that merges has its twin."""
+    p = load_params(os.path.join(os.path.dirname(PARAMS_YAML), "configs", name))
     v = check_matrix(p)
     for variant, reference in p.compare.pairs.items():
         assert not v[reference].spes.merge.enabled and v[variant].spes.merge.enabled
         assert all(k.startswith("spes.merge.") for k in _diff(v[variant], v[reference])), variant
-    merging = {n for n, x in v.items() if x.spes.method == "spes" and x.spes.merge.enabled}
-    assert set(p.compare.pairs) == merging and len(merging) == 14
-    assert (v["spes-8n16e"].model.num_experts, sync_method(v["spes-8n16e"].spes).nodes) == (16, 8)
+    merges = {n for n, x in v.items() if x.spes.method == "spes" and x.spes.merge.enabled}
+    assert set(p.compare.pairs) == merges and len(merges) == merging
+    assert {x.init.mode for x in v.values()} == {init}
+    eight = next(x for n, x in v.items() if "8n16e" in n)
+    assert (eight.model.num_experts, sync_method(eight.spes).nodes) == (16, 8)
 
 
 def test_equal_memory_per_node_the_largest_expert_count_that_fits():
