@@ -44,12 +44,17 @@ def _variant_init(p, vp, folder: str) -> str:
     from spes.model.initial import init_record, init_source, initial_model, made_by
 
     main = os.path.join(p.artifacts_dir, "init")
-    source = init_source(vp.init, p.artifacts_dir)
+    record_path = os.path.join(main, "config.json")
+    if not os.path.exists(record_path):  # the flow's InitModel.load then names the stage to run
+        return os.path.join(main, "model.safetensors")
     try:
-        with open(os.path.join(main, "config.json")) as f:
+        with open(record_path) as f:
             record = json.load(f)
-    except (OSError, ValueError):
-        record = {}
+    except ValueError as e:  # damaged: never silently taken for another recipe's model
+        raise SystemExit(f"compare: {record_path}: not an initial model's config ({e})") from None
+    if not isinstance(record, dict):
+        raise SystemExit(f"compare: {record_path}: not an initial model's config (a JSON object)")
+    source = init_source(vp.init, p.artifacts_dir)
     if made_by(record, vp.model, vp.init, source):
         return os.path.join(main, "model.safetensors")
     model, _ = initial_model(vp.model, vp.init, p.artifacts_dir)
@@ -202,15 +207,17 @@ def study_dvcfile(params_path: str) -> dict:
     """The DVC stages of one study preset: the matrix of its cells, written out (a preset inherits some of
     compare.* from params.yaml, which DVC's `vars` cannot follow), each cell a run stage, then the report;
     the layout of compare/dvc.yaml, with the preset's file as a params dependency beside params.yaml's."""
-    from spes.eval.compare import has_frontier
+    from spes.config.loader import load_params
+    from spes.eval.compare import check_matrix, has_frontier
 
-    p, _ = _load(params_path)
+    p = load_params(params_path)
+    resolved = check_matrix(p)  # every variant checked, once
     preset = params_path.replace(os.sep, "/")
     out = f"artifacts/{STUDY_PREFIX}{study_name(params_path)}"
     c = p.compare
     run_params = [{preset: []}, {"params.yaml": ["model", "spes", "data", "sync", "eval"]}]
     report_outs = ["report.md", "report.csv", "pairs.csv", "heldout_curves.csv", "heldout_curves.svg"]
-    if has_frontier(p):
+    if has_frontier(resolved):
         report_outs.append("frontier.svg")
     return {
         "stages": {

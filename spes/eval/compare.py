@@ -139,22 +139,32 @@ def clustered_se(values: list[float], clusters: Optional[list[int]] = None) -> f
     return math.sqrt(groups / (groups - 1) * sum(s * s for s in sums.values())) / n
 
 
-def paired_difference(runs: list[dict], base_runs: list[dict]) -> tuple[Optional[float], Optional[float]]:
-    """Mean over seeds of (loss - baseline loss) on the same held-out windows, and its standard error from
-    the per-window differences, clustered by document (`heldout_documents`; results written before they
-    were recorded fall back to independent windows, which understates it)."""
+def _seed_differences(runs: list[dict], base_runs: list[dict]) -> list[tuple[float, float]]:
+    """Per seed both ran (in `runs`' order) with the same held-out windows: the mean of (loss - baseline loss)
+    over the windows and its standard error, clustered by document (`heldout_documents`; results written
+    before they were recorded fall back to independent windows, which understates it)."""
     base = {r["seed"]: r for r in base_runs}
-    diffs, ses = [], []
+    out = []
     for r in runs:
         b = base.get(r["seed"])
         if b is None or not r.get("heldout_windows") or len(r["heldout_windows"]) != len(b.get("heldout_windows") or []):
             continue
         d = [x - y for x, y in zip(r["heldout_windows"], b["heldout_windows"])]
-        diffs.append(statistics.fmean(d))
-        ses.append(clustered_se(d, r.get("heldout_documents")))
-    if not diffs:
+        out.append((statistics.fmean(d), clustered_se(d, r.get("heldout_documents"))))
+    return out
+
+
+def paired_difference(runs: list[dict], base_runs: list[dict]) -> tuple[Optional[float], Optional[float]]:
+    """Mean over seeds of (loss - baseline loss) on the same held-out windows, and its standard error from
+    the per-window differences, clustered by document."""
+    return _over_seeds(_seed_differences(runs, base_runs))
+
+
+def _over_seeds(per_seed: list[tuple[float, float]]) -> tuple[Optional[float], Optional[float]]:
+    """The mean of the seeds' differences and its SE from theirs (independent seeds); (None, None) for none."""
+    if not per_seed:
         return None, None
-    return statistics.fmean(diffs), math.sqrt(sum(x * x for x in ses)) / len(ses)
+    return statistics.fmean(d for d, _ in per_seed), math.sqrt(sum(se * se for _, se in per_seed)) / len(per_seed)
 
 
 def summarize(p: Params, results: list[dict]) -> dict:
@@ -199,17 +209,22 @@ def summarize(p: Params, results: list[dict]) -> dict:
             "frontier": frontier(p, rows, by), "slice": slice_agreement(results)}
 
 
+def seed_se(per_seed: list[float]) -> Optional[float]:
+    """Standard error of the mean of the seeds' differences (None with one seed)."""
+    return statistics.stdev(per_seed) / math.sqrt(len(per_seed)) if len(per_seed) > 1 else None
+
+
 def verdict(diff: Optional[float], se: Optional[float], per_seed: list[float]) -> str:
     """'better' or 'worse' only when the difference is beyond both kinds of noise: more than twice its
     document-clustered SE (which windows were scored) and twice its SE over seeds (how training went), with
     every seed on the same side; else 'within noise' ('one seed' where the second kind is unknown)."""
     if diff is None:
         return "-"
-    if len(per_seed) < 2:
+    over_seeds = seed_se(per_seed)
+    if over_seeds is None:
         return "one seed"
-    seed_se = statistics.stdev(per_seed) / math.sqrt(len(per_seed))
     same_side = all(d < 0 for d in per_seed) or all(d > 0 for d in per_seed)
-    if same_side and abs(diff) > 2 * se and abs(diff) > 2 * seed_se:
+    if same_side and abs(diff) > 2 * se and abs(diff) > 2 * over_seeds:
         return "better" if diff < 0 else "worse"
     return "within noise"
 
@@ -222,19 +237,15 @@ def paired_comparisons(p: Params, runs: dict) -> list[dict]:
     for variant, reference in p.compare.pairs.items():
         for budget in p.compare.budgets:
             for lr in p.compare.lrs:
-                a, b = runs.get((variant, budget, lr), []), runs.get((reference, budget, lr), [])
-                base = {r["seed"]: r for r in b}
-                per_seed = [paired_difference([r], [base[r["seed"]]])[0] for r in sorted(a, key=lambda r: r["seed"])
-                            if r["seed"] in base]
-                per_seed = [d for d in per_seed if d is not None]
-                if not per_seed:
+                seeds = _seed_differences(sorted(runs.get((variant, budget, lr), []), key=lambda r: r["seed"]),
+                                          runs.get((reference, budget, lr), []))
+                if not seeds:
                     continue
-                diff, se = paired_difference(a, b)
+                diff, se = _over_seeds(seeds)
+                per_seed = [d for d, _ in seeds]
                 out.append({"variant": variant, "reference": reference, "budget": budget, "lr": lr,
                             "seeds": len(per_seed), "diff": diff, "diff_se": se, "per_seed": per_seed,
-                            "seed_se": statistics.stdev(per_seed) / math.sqrt(len(per_seed))
-                            if len(per_seed) > 1 else None,
-                            "verdict": verdict(diff, se, per_seed)})
+                            "seed_se": seed_se(per_seed), "verdict": verdict(diff, se, per_seed)})
     return out
 
 
@@ -254,10 +265,10 @@ def slice_agreement(results: list[dict]) -> Optional[dict]:
             "max_abs_diff": max(abs(d) for d in diffs), "pairs_same_order": same / len(pairs)}
 
 
-def has_frontier(p: Params) -> bool:
-    """Whether the matrix's multi-node variants sync at more than one interval (the report then plots loss
-    against traffic, frontier.svg)."""
-    intervals = {vp.spes.sync_steps for vp in check_matrix(p).values() if sync_method(vp.spes).nodes > 1}
+def has_frontier(resolved: dict[str, Params]) -> bool:
+    """Whether the multi-node variants of a matrix (`check_matrix`'s) sync at more than one interval (the report
+    then plots loss against traffic, frontier.svg)."""
+    intervals = {vp.spes.sync_steps for vp in resolved.values() if sync_method(vp.spes).nodes > 1}
     return len(intervals) > 1
 
 

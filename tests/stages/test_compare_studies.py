@@ -51,3 +51,22 @@ def test_study_name_refuses_a_file_that_is_not_a_study():
     for bad in ("params.yaml", "configs/spes-1b.yaml", "configs/compare-.yaml"):
         with pytest.raises(SystemExit, match="is not a study preset"):
             study_name(bad)
+
+
+def test_a_damaged_initial_model_record_is_named_not_bypassed(tmp_path, monkeypatch):
+    """A variant never takes a damaged artifacts/init/config.json for another recipe's model; a missing one
+    leaves the flow to say which stage to run."""
+    from spes.config.loader import load_params
+    from spes.eval.compare import variant_params
+    from stages.compare import _variant_init
+
+    monkeypatch.chdir(ROOT)
+    p = load_params("configs/compare-scratch.yaml")
+    p.artifacts_dir = str(tmp_path)
+    vp = variant_params(p, "scratch-spes")
+    assert _variant_init(p, vp, str(tmp_path)) == str(tmp_path / "init" / "model.safetensors")
+    (tmp_path / "init").mkdir()
+    for damaged in ("{not json", "[1, 2]"):
+        (tmp_path / "init" / "config.json").write_text(damaged)
+        with pytest.raises(SystemExit, match=r"init/config.json: not an initial model's config"):
+            _variant_init(p, vp, str(tmp_path))
