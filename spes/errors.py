@@ -101,6 +101,11 @@ class QuorumError(ProtocolError):
     """Fewer nodes committed than the quorum needs."""
 
 
+class AggregationError(ProtocolError, ValueError):
+    """An aggregation that cannot be computed: no node results, a token-weighted mean of zero tokens, a merge
+    asked of a method that does not merge."""
+
+
 class UploadsRejected(ProtocolError):
     """Committed uploads that failed verification; their nodes may run the round again."""
 

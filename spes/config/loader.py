@@ -132,8 +132,10 @@ def _check_training(p: Params) -> None:
     _check_optim(s.optim, "spes.optim")
     _need(s.frozen_dtype in ("float32", "bfloat16"), f"spes.frozen_dtype must be float32|bfloat16, got {s.frozen_dtype!r}")
     _need(s.autocast in (None, "bfloat16", "float16"), f"spes.autocast must be null|bfloat16|float16, got {s.autocast!r}")
-    _need(s.outer_lr > 0 and 0.0 <= s.outer_momentum < 1.0,
-          "spes.outer_lr must be > 0 and spes.outer_momentum in [0, 1)")
+    _need(s.outer_lr > 0, f"spes.outer_lr must be > 0, got {s.outer_lr}")
+    _need(0.0 <= s.outer_momentum < 1.0, f"spes.outer_momentum must be in [0, 1), got {s.outer_momentum}")
+    _need(0.0 <= s.outer_beta2 < 1.0, f"spes.outer_beta2 must be in [0, 1), got {s.outer_beta2}")
+    _need(s.outer_eps > 0, f"spes.outer_eps must be > 0, got {s.outer_eps}")
     _need(s.shared_outer in ("average", "nesterov"),
           f"spes.shared_outer must be average|nesterov, got {s.shared_outer!r}")
     _need(s.shared_outer == "average" or s.method == "spes",

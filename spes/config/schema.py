@@ -19,8 +19,8 @@ from spes.errors import ConfigError
 # on them (which import these) agree. fullmatch everywhere: a trailing newline is no valid choice.
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda|cuda:\d+")
 EXPERTS_IMPLS = ("auto", "grouped_mm", "triton", "loop")
-METHODS = ("spes", "diloco", "fedavg", "centralized")
-"""Sync methods (spes/sync/methods.py builds the object for each)."""
+METHODS = ("spes", "diloco", "fedavg", "centralized", "fedadam")
+"""Sync methods (spes/sync/methods.py's registry builds the object for each; a test keeps the two equal)."""
 CODECS = ("fp32", "bf16", "int8")
 DATA_ORDERS = ("epoch", "random_windows")
 QK_NORMS = ("full", "head", "none")
@@ -215,7 +215,8 @@ class MergeConfig:
 @dataclass
 class SpesConfig:
     method: str = "spes"
-    """'spes', 'diloco', 'fedavg' or 'centralized' (one node, num_nodes x batch_size: see `nodes`)."""
+    """'spes', 'diloco', 'fedavg', 'fedadam' (a server Adam step, Reddi et al. 2021) or 'centralized' (one node,
+    num_nodes x batch_size)."""
     num_nodes: int = 2
     ownership: Optional[list[list[int]]] = None
     """Explicit expert ids per node; None = contiguous blocks."""
@@ -252,8 +253,15 @@ class SpesConfig:
     autocast: Optional[str] = None
     """Mixed precision of the forward pass: None (fp32), 'bfloat16' or 'float16' (torch.autocast)."""
     outer_lr: float = 0.7
+    """The outer (server) learning rate: DiLoCo's SGD (0.7), spes with shared_outer nesterov, FedAdam's Adam
+    (there about 1e-2..1e-1: Adam's steps are normalised, 0.7 is far too large)."""
     outer_momentum: float = 0.9
+    """DiLoCo's outer momentum; FedAdam's beta1."""
     outer_nesterov: bool = True
+    outer_beta2: float = 0.99
+    """FedAdam: the server Adam's beta2 (Reddi et al. 2021: 0.99)."""
+    outer_eps: float = 1e-3
+    """FedAdam: the server Adam's epsilon (Reddi et al.'s tau, 1e-3: bounds the step where beta2's average is tiny)."""
     shared_outer: str = "average"
     """spes only: how the nodes' deltas of the shared parameters become the global's change: 'average' (the
     paper: their mean) or 'nesterov' (DiLoCo's outer SGD step on their mean, with outer_lr, outer_momentum and

@@ -27,6 +27,12 @@ def is_chunk_param(param_name: str) -> bool:
     return ".mlp.experts.chunks." in param_name
 
 
+def expert_layer(canonical_name: str) -> str:
+    """The layer part of an expert tensor's name (`model.layers.N.mlp.experts`): a layer's expert tensors
+    share it, so they are adjacent in any name-sorted list."""
+    return canonical_name.rsplit(".", 1)[0]
+
+
 def expert_kind(canonical_name: str) -> str:
     """'gate_up_proj' or 'down_proj' of an expert tensor name."""
     return canonical_name.rsplit(".", 1)[-1]

@@ -2,9 +2,10 @@
 
 Streams tensor by tensor: it holds one tensor of each input at a time (the previous global, its outer state
 and residual, each node's upload), never a whole upload, and hashes every byte it reads and writes on the
-way (on helper threads). Merging (SPES only) pulls each layer's experts toward their most similar peers
-while alpha > 0. The expert rows of a non-merging round are not copied: the delta refers to the owners'
-uploads. The global it committed last stays in memory (one model), so the next round need not read it.
+way (on helper threads). It knows no method's rules: the sync method says which tensors are averaged, what
+state it keeps per tensor (streamed beside the global in outer.safetensors) and how a mean delta becomes the
+global's change; in a merging round it hands each layer's expert tensors to the method's `merge` hook.
+The expert rows of a non-merging round are not copied: the delta refers to the owners' uploads. The global it committed last stays in memory (one model), so the next round need not read it.
 
 Uploads that fail verification (truncated, altered, a delta against another base, another codec) are
 moved aside to `runs/<run>/rejected/` with the file named in the log; with `rerun_rejected` the call then
@@ -21,21 +22,15 @@ from typing import Optional
 import torch
 
 from spes.config.schema import Params
-from spes.errors import (
-    IntegrityError,
-    NotCommitted,
-    QuorumError,
-    RecordError,
-    StorageError,
-    UploadsRejected,
-)
-from spes.model.names import EXPERT_TENSORS, expert_kind
+from spes.errors import IntegrityError, QuorumError, UploadsRejected
+from spes.model.names import expert_layer
+from spes.round.uploads import BadUpload, committed_uploads
 from spes.run.layout import MODEL_FILE, OUTER_FILE, RESIDUAL_FILE, RunLayout
 from spes.run.membership import membership_of, next_membership, read_requests, stamp
 from spes.run.records import DeltaMeta, ExpertRef, GlobalMeta, Membership, UploadMeta
 from spes.run.run import Run, next_index
 from spes.storage.store import BundleWriter, Store
-from spes.sync.codecs import make_codec
+from spes.sync.codecs import Codec, make_codec
 from spes.sync.deltas import (
     EXPERTS_FILE,
     MOMENTS_FILE,
@@ -47,15 +42,14 @@ from spes.sync.deltas import (
     experts_file,
     read_parts,
 )
-from spes.sync.merging import merge_layer
-from spes.sync.methods import node_weights, sync_method, weighted_sum
+from spes.sync.method import SyncMethod, node_weights, weighted_sum
+from spes.sync.methods import sync_method
 
 log = logging.getLogger("spes.round.aggregator")
 
 
-class _BadUpload(Exception):
-    def __init__(self, node: int, msg: str):
-        self.node, self.msg = node, msg
+def _shapes(entry: dict) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(t["shape"]) for n, t in entry["tensors"].items()}
 
 
 class _Cached:
@@ -69,88 +63,70 @@ class _Cached:
         return self.tensors.pop(name)
 
 
-def _shapes(entry: dict) -> dict[str, tuple[int, ...]]:
-    return {n: tuple(t["shape"]) for n, t in entry["tensors"].items()}
-
-
-def _check_upload(m: UploadMeta, r: int, node: int, base_sha: str, codec: str, experts: list[int],
-                  sparse: bool) -> Optional[str]:
-    if m.round != r or m.node != node:
-        return f"upload says round {m.round} node {m.node}"
-    if sparse and sorted(m.experts) != sorted(experts):
-        return f"it trained experts {m.experts}, round {r}'s ownership gives node {node} experts {experts}"
-    if m.base_sha256 != base_sha:
-        return (f"its delta is against global {m.base_round} ({m.base_sha256[:12]}), not the committed global "
-                f"{r - 1} ({base_sha[:12]})")
-    if m.codec != codec:
-        return f"codec {m.codec!r}, the run uses {codec!r}"
-    return None
-
-
 class _Round:
     """One attempt at aggregating round r from a set of contributors."""
 
-    def __init__(self, p: Params, store: Store, layout: RunLayout, r: int, prev: dict, prev_meta: GlobalMeta,
-                 membership: Membership, uploads: dict[int, dict], metas: dict[int, UploadMeta], held: Optional[dict]):
-        s = p.spes
-        self.p, self.s, self.store, self.layout, self.r = p, s, store, layout, r
-        self.method = sync_method(s)
-        self.codec = make_codec(p.sync.codec, p.sync.int8_block)
+    def __init__(self, p: Params, method: SyncMethod, codec: Codec, store: Store, layout: RunLayout, r: int,
+                 prev: dict, prev_meta: GlobalMeta, membership: Membership, uploads: dict[int, dict],
+                 metas: dict[int, UploadMeta], held: Optional[dict]):
+        self.p, self.method, self.codec, self.store, self.layout, self.r = p, method, codec, store, layout, r
         self.prev, self.uploads, self.held = prev, uploads, held
         self.nodes = sorted(uploads)
-        self.weights = node_weights([metas[i].tokens for i in self.nodes], s.token_weighted)
-        num_experts = prev_meta.model_config["num_experts"]
+        self.weights = node_weights([metas[i].tokens for i in self.nodes], p.spes.token_weighted)
         self.owners = membership.owners
-        self.alpha = self.method.merge_alpha(r * s.sync_steps, num_experts)
+        self.alpha = method.merge_alpha(r * p.spes.sync_steps, prev_meta.model_config["num_experts"])
         self.merging = self.alpha > 0
         self.shapes = _shapes(prev["files"][MODEL_FILE])
-        self.feedback = p.sync.error_feedback and not self.codec.exact
+        self.feedback = p.sync.error_feedback and not codec.exact
 
     def rows(self, owner: int) -> list[int]:
         return list(self.owners[owner])
 
-    def run(self) -> tuple[BundleWriter, BundleWriter, dict[str, list[int]]]:
+    def _groups(self, names: list[str], averaged: dict) -> list[list[str]]:
+        """The tensors in the order they are computed: one at a time, except that a merging round takes a
+        layer's expert tensors together (adjacent in sorted order, since they share the layer's prefix)."""
+        groups: list[list[str]] = []
+        for name in names:
+            last = groups[-1] if groups else None
+            if (self.merging and name not in averaged and last is not None and last[0] not in averaged
+                    and expert_layer(last[0]) == expert_layer(name)):
+                last.append(name)
+            else:
+                groups.append([name])
+        return groups
+
+    def run(self) -> tuple[BundleWriter, BundleWriter, dict[str, ExpertRef]]:
         """Write the delta and global bundles (uncommitted); returns their writers and the expert files."""
-        prev_files = self.prev["files"]
+        prev_files, prev_dir = self.prev["files"], self.layout.global_dir(self.r - 1)
         averaged = {n: sh for n, sh in self.shapes.items() if self.method.is_averaged(n)}
         expert_names = {n: sh for n, sh in self.shapes.items() if n not in averaged}
         owners = [j for j in sorted(self.owners) if self.merging or j in self.uploads] if expert_names else []
+        self.outer_specs = {n: self.method.outer_state_specs(n, averaged[n]) for n in sorted(averaged)}
+        outer_flat = [spec for n in sorted(averaged) for spec in self.outer_specs[n]]
         self.new_model: dict[str, torch.Tensor] = {}
         delta = BundleWriter(self.store, self.layout.delta_dir(self.r))
         glob = BundleWriter(self.store, self.layout.global_dir(self.r))
-        outer_momentum = self.method.keeps_outer_state
         with contextlib.ExitStack() as st:
-            rd = lambda rel, f, e: st.enter_context(self.store.open_reader(rel, f, e))  # noqa: E731
-            prev_model = _Cached(self.held) if self.held is not None else \
-                rd(self.layout.global_dir(self.r - 1), MODEL_FILE, prev_files[MODEL_FILE])
-            prev_outer = rd(self.layout.global_dir(self.r - 1), OUTER_FILE, prev_files[OUTER_FILE]) \
-                if OUTER_FILE in prev_files else None
-            prev_res = rd(self.layout.global_dir(self.r - 1), RESIDUAL_FILE, prev_files[RESIDUAL_FILE]) \
-                if RESIDUAL_FILE in prev_files else None
+            rd = lambda f: st.enter_context(self.store.open_reader(prev_dir, f, prev_files[f]))  # noqa: E731
+            prev_model = _Cached(self.held) if self.held is not None else rd(MODEL_FILE)
+            prev_outer = rd(OUTER_FILE) if outer_flat and OUTER_FILE in prev_files else None
+            prev_res = rd(RESIDUAL_FILE) if RESIDUAL_FILE in prev_files else None
             shared_in = {i: self._node_reader(st, i, SHARED_FILE) for i in self.nodes}
             experts_in = {i: self._node_reader(st, i, EXPERTS_FILE) for i in self.nodes} if expert_names else {}
             w_model = st.enter_context(glob.stream(MODEL_FILE, [(n, torch.float32, self.shapes[n]) for n in sorted(self.shapes)]))
-            w_outer = st.enter_context(glob.stream(OUTER_FILE, [(n, torch.float32, averaged[n]) for n in sorted(averaged)])) \
-                if outer_momentum else None
+            w_outer = st.enter_context(glob.stream(OUTER_FILE, outer_flat)) if outer_flat else None
             w_res = st.enter_context(glob.stream(RESIDUAL_FILE, [(n, torch.float32, averaged[n]) for n in sorted(averaged)])) \
                 if self.feedback else None
             w_shared = st.enter_context(delta.stream(SHARED_FILE, encoded_specs(self.codec, averaged)))
             w_experts = {j: st.enter_context(delta.stream(experts_file(j), encoded_specs(
                 self.codec, {n: (len(self.rows(j)), *sh[1:]) for n, sh in expert_names.items()})))
                 for j in owners} if self.merging else {}
-            names = sorted(self.shapes)
-            k = 0
-            while k < len(names):
-                name = names[k]
-                if name in averaged:
-                    self._averaged(name, prev_model, prev_outer, prev_res, shared_in, w_model, w_outer, w_res, w_shared)
-                    k += 1
+            for group in self._groups(sorted(self.shapes), averaged):
+                if group[0] in averaged:
+                    self._averaged(group[0], prev_model, prev_outer, prev_res, shared_in, w_model, w_outer, w_res,
+                                   w_shared)
                 else:
-                    group = names[k:k + 2] if self.merging else [name]  # a layer's down_proj, gate_up_proj
-                    if self.merging and [expert_kind(g) for g in group] != list(EXPERT_TENSORS):
-                        raise StorageError(f"merging: expected a layer's down_proj and gate_up_proj, got {group}")
                     self._experts(group, prev_model, experts_in, w_model, w_experts)
-                    k += len(group)
             for i, rdr in list(shared_in.items()) + list(experts_in.items()):
                 self._finish(i, rdr)
             if self.p.sync.average_optimizer_state:
@@ -173,8 +149,8 @@ class _Round:
         first = specs[self.nodes[0]]
         for i in self.nodes:
             if specs[i] != first:
-                raise _BadUpload(i, f"{self.store.url}/{self.layout.node_dir(self.r, i)}/{MOMENTS_FILE}: holds "
-                                    f"other tensors than node {self.nodes[0]}'s")
+                raise BadUpload(i, f"{self.store.url}/{self.layout.node_dir(self.r, i)}/{MOMENTS_FILE}: holds "
+                                   f"other tensors than node {self.nodes[0]}'s")
         with glob.stream(MOMENTS_FILE, [(n, torch.float32, first[n]) for n in sorted(first)]) as w:
             for name in sorted(first):
                 ts = []
@@ -182,7 +158,7 @@ class _Round:
                     try:
                         ts.append(readers[i].read(name))
                     except IntegrityError as e:
-                        raise _BadUpload(i, str(e)) from None
+                        raise BadUpload(i, str(e)) from None
                 w.write(name, weighted_sum(ts, self.weights))
         for i, rdr in readers.items():
             self._finish(i, rdr)
@@ -191,43 +167,44 @@ class _Round:
         rel = self.layout.node_dir(self.r, i)
         entry = self.uploads[i]["files"].get(fname)
         if entry is None:
-            raise _BadUpload(i, f"{self.store.url}/{rel}: no {fname}")
+            raise BadUpload(i, f"{self.store.url}/{rel}: no {fname}")
         try:
             return st.enter_context(self.store.open_reader(rel, fname, entry))
         except IntegrityError as e:
-            raise _BadUpload(i, str(e)) from None
+            raise BadUpload(i, str(e)) from None
 
     def _read(self, i: int, rdr, name: str, shape):
         try:
             parts = read_parts(rdr, self.codec, name, shape)
         except IntegrityError as e:
-            raise _BadUpload(i, str(e)) from None
+            raise BadUpload(i, str(e)) from None
         for part, dtype, want in self.codec.encoded_specs(name, shape):  # bytes that verify can still be wrong
             t = parts[part]
             if t.dtype != dtype or tuple(t.shape) != tuple(want):
-                raise _BadUpload(i, f"{rdr.where}: {part} is {t.dtype} {tuple(t.shape)}, the {self.codec.name} "
-                                    f"codec expects {dtype} {tuple(want)}")
+                raise BadUpload(i, f"{rdr.where}: {part} is {t.dtype} {tuple(t.shape)}, the {self.codec.name} "
+                                   f"codec expects {dtype} {tuple(want)}")
         return parts
 
     def _finish(self, i: int, rdr) -> None:
         try:
             rdr.finish()
         except IntegrityError as e:
-            raise _BadUpload(i, str(e)) from None
+            raise BadUpload(i, str(e)) from None
 
     def _averaged(self, name, prev_model, prev_outer, prev_res, shared_in, w_model, w_outer, w_res, w_shared):
-        shape = self.shapes[name]
+        shape, specs = self.shapes[name], self.outer_specs[name]
         prev_t = prev_model.read(name)
         deltas = [self.codec.decode(name, self._read(i, shared_in[i], name, shape), shape) for i in self.nodes]
-        buf = prev_outer.read(name) if prev_outer is not None else None
-        change, new_buf = self.method.global_change(deltas, self.weights, buf)
+        state = {key: prev_outer.read(key) for key, _, _ in specs} if prev_outer is not None else {}
+        change, new_state = self.method.global_change(name, deltas, self.weights, state)
         residual = {name: prev_res.read(name)} if prev_res is not None else None
         parts, new_res = encode_with_feedback(self.codec, name, change, residual, self.feedback)
         for part in sorted(parts):
             w_shared.write(part, parts[part])
         self._put(w_model, name, add_decoded(prev_t, self.codec, name, parts))
         if w_outer is not None:
-            w_outer.write(name, new_buf)
+            for key, _, _ in specs:
+                w_outer.write(key, new_state[key])
         if w_res is not None:
             w_res.write(name, new_res)
 
@@ -238,11 +215,10 @@ class _Round:
         for n in group:
             for i in self.nodes:
                 up[n][i] = self._read(i, experts_in[i], n, (len(self.rows(i)), *shapes[n][1:]))
-        if self.merging:
+        if self.merging:  # the method's hook, on the layer's experts as their owners trained them
             target = {n: add_decoded_rows(prevs[n], [(self.rows(i), up[n][i]) for i in self.nodes], self.codec, n)
                       for n in group}
-            merged = merge_layer({expert_kind(k): v for k, v in target.items()}, self.alpha, self.s.merge.top_k)
-            merged = {n: merged[expert_kind(n)] for n in group}
+            merged = self.method.merge(target, self.alpha)
             send = {n: {j: self.codec.encode(n, (merged[n] - prevs[n])[self.rows(j)]) for j in w_experts} for n in group}
         else:
             send = up
@@ -272,10 +248,12 @@ def _one_torch_thread():
 
 class Aggregator:
     """Aggregates the rounds of one run, holding the global it committed last (one model in memory), so the
-    next round need not read it back; its first round after a start reads global r-1 from storage."""
+    next round need not read it back; its first round after a start reads global r-1 from storage. The sync
+    method and the codec are built once, here."""
 
     def __init__(self, p: Params, store: Store, run: str):
         self.p, self.store, self.run, self.layout = p, store, run, RunLayout(run)
+        self.method, self.codec = sync_method(p.spes), make_codec(p.sync.codec, p.sync.int8_block)
         self._held: Optional[tuple[tuple[int, str], dict]] = None  # ((round, sha256), tensors)
 
     def hold(self, r: int) -> None:
@@ -292,35 +270,11 @@ class Aggregator:
         log.error("round %d: upload of node %d rejected (%s); moved to %s", r, node, why, dest)
         self.store.move(self.layout.node_dir(r, node), dest)
 
-    def _uploads(self, r: int, base_sha: str, membership: Membership,
-                 rejected: dict[int, str]) -> tuple[dict[int, dict], dict[int, UploadMeta]]:
-        """The committed uploads of round r's members that fit, as (manifests, their parsed metas); the others
-        go to `rejected` with the reason."""
-        uploads, metas = {}, {}
-        sparse = sync_method(self.p.spes).sparse_experts
-        for i in membership.members:
-            rel = self.layout.node_dir(r, i)
-            try:
-                m = self.store.read_manifest(rel)
-                meta = UploadMeta.from_json(m["meta"], f"{self.store.url}/{rel}")
-            except NotCommitted:
-                continue
-            except (IntegrityError, RecordError) as e:
-                rejected[i] = str(e)
-                continue
-            why = _check_upload(meta, r, i, base_sha, self.p.sync.codec, membership.owners[i], sparse)
-            if why:
-                rejected[i] = f"{self.store.url}/{rel}: {why}"
-            else:
-                uploads[i], metas[i] = m, meta
-        return uploads, metas
-
     def aggregate(self, r: int, min_nodes: Optional[int] = None, rerun_rejected: bool = False) -> GlobalMeta:
         """Combine the committed node uploads of round r into delta r and global r (with merging when due).
         Uploads that fail verification are moved aside; with `rerun_rejected` this raises UploadsRejected
         (the caller re-runs those nodes), else they are left out under the quorum."""
-        p, store, layout = self.p, self.store, self.layout
-        s, method = p.spes, sync_method(p.spes)
+        p, store, layout, method = self.p, self.store, self.layout, self.method
         if store.is_committed(layout.global_dir(r)):
             return GlobalMeta.from_json(store.read_manifest(layout.global_dir(r))["meta"],
                                         f"{store.url}/{layout.global_dir(r)}")
@@ -335,7 +289,8 @@ class Aggregator:
         members = membership.members
         need = min(min_nodes if min_nodes is not None else len(members), len(members))
         rejected: dict[int, str] = {}
-        uploads, metas = self._uploads(r, base_sha, membership, rejected)
+        uploads, metas = committed_uploads(store, layout, r, base_sha, membership, p.sync.codec,
+                                           method.sparse_experts, rejected)
         while True:
             for i in list(rejected):
                 if i in uploads or store.exists(layout.node_dir(r, i)):
@@ -347,13 +302,13 @@ class Aggregator:
                 raise QuorumError(f"round {r}: only nodes {sorted(uploads)} committed"
                                   + (f" ({len(rejected)} rejected)" if rejected else "")
                                   + f", quorum is {need} of {len(members)} (members {members})")
-            attempt = _Round(p, store, layout, r, prev, prev_meta, membership, uploads, metas,
+            attempt = _Round(p, method, self.codec, store, layout, r, prev, prev_meta, membership, uploads, metas,
                              self._take_held(r - 1, base_sha))
             try:
                 with _one_torch_thread():
                     delta, glob, expert_files = attempt.run()
                 break
-            except _BadUpload as e:
+            except BadUpload as e:
                 rejected[e.node] = e.msg
         new_sha = glob.entries[MODEL_FILE]["sha256"]
         states = dict(prev_meta.node_states)
@@ -368,13 +323,13 @@ class Aggregator:
         delta.commit(DeltaMeta(round=r, base_round=r - 1, base_sha256=base_sha, global_sha256=new_sha,
                                codec=p.sync.codec, expert_files=expert_files, merged=attempt.merging).to_json())
         meta = GlobalMeta(
-            round=r, step=r * s.sync_steps, method=method.name, model_config=prev_meta.model_config,
+            round=r, step=r * p.spes.sync_steps, method=method.name, model_config=prev_meta.model_config,
             contributors=sorted(uploads), missing=[i for i in members if i not in uploads],
             rejected=rejected, merge_alpha=attempt.alpha, merged=attempt.merging,
             node_loss={i: metas[i].loss_mean for i in uploads}, node_states=states,
             codec=p.sync.codec, seconds_aggregate=time.perf_counter() - t0,
             index=next_index(prev_meta.index or Run(store, self.run).index(r - 1), r, states),
-            run_id=prev_meta.run_id, fingerprint=prev_meta.fingerprint, total_steps=s.total_steps,
+            run_id=prev_meta.run_id, fingerprint=prev_meta.fingerprint, total_steps=p.spes.total_steps,
             membership=change.membership, membership_changes=change.changes)
         stamp(store, layout, change.stamped)  # before the commit: a retry or a recomputed round applies them at r
         glob.commit(meta.to_json())

@@ -16,7 +16,7 @@ from spes.storage.store import Store
 from spes.storage.tensorio import tensors_sha256
 from spes.sync.codecs import Codec
 from spes.sync.deltas import apply_delta
-from spes.sync.methods import SyncMethod
+from spes.sync.method import SyncMethod
 
 log = logging.getLogger("spes.round.fetch")
 

@@ -36,7 +36,8 @@ NOT_IN_FINGERPRINT = {"model.experts_impl", "model.loss_impl", "model.loss_chunk
 """Implementation choices that leave the maths alone."""
 ADDED_LATER: dict[str, Any] = {"spes.optim.schedule": "cosine", "spes.optim.decay_fraction": 0.2,
                                "dense.optim.schedule": "cosine", "dense.optim.decay_fraction": 0.2,
-                               "spes.shared_outer": "average", "sync.average_optimizer_state": False}
+                               "spes.shared_outer": "average", "sync.average_optimizer_state": False,
+                               "spes.outer_beta2": 0.99, "spes.outer_eps": 1e-3}
 """Keys added after fingerprint version 2, each with its neutral value (the behaviour before it existed)."""
 LEGACY_DEFAULTS = {"model.norm_topk_prob": False, "model.qk_norm": "full", "spes.merge.interval": 40,
                    "spes.sync_steps": 20, "spes.warmup_rounds": 5, "spes.rounds": 12, "spes.optim.lr": 3e-3,

@@ -30,7 +30,7 @@ from spes.run.layout import RunLayout
 from spes.run.records import GlobalMeta, Membership, Record
 from spes.run.run import Run
 from spes.storage.store import Store
-from spes.sync.methods import SyncMethod
+from spes.sync.method import SyncMethod
 
 log = logging.getLogger("spes.run.membership")
 

@@ -17,6 +17,8 @@ before every character of a parameter name, so a tensor's parts stay adjacent in
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
+from typing import ClassVar
 
 import torch
 
@@ -26,21 +28,45 @@ from spes.errors import CodecError
 SCALE = "#scale"
 
 
-class Codec:
-    name = "fp32"
-    exact = True
+class Codec(ABC):
+    """Encodes a tensor for the link and decodes it back: a pure function of the bytes, on the CPU."""
 
+    name: ClassVar[str]
+    """Its `sync.codec` value."""
+    exact: ClassVar[bool]
+    """decode(encode(x)) == x bit for bit (no error feedback needed)."""
+
+    @classmethod
+    def build(cls, int8_block: int) -> "Codec":
+        """The codec with the run's sync settings (only int8 has any)."""
+        return cls()
+
+    @abstractmethod
     def encode(self, name: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The parts stored for tensor `name` (the tensor's own name, plus any side tensors)."""
+
+    @abstractmethod
+    def decode(self, name: str, parts: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+        """The fp32 tensor of `shape` the parts encode; CodecError when they are not such an encoding."""
+
+    @abstractmethod
+    def encoded_specs(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """What `encode` produces for a tensor of `shape` (names, dtypes, shapes), known before encoding."""
+
+
+class FP32(Codec):
+    name, exact = "fp32", True
+
+    def encode(self, name, x):
         return {name: x.detach().to("cpu", torch.float32).contiguous()}
 
-    def decode(self, name: str, parts: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+    def decode(self, name, parts, shape):
         t = parts[name]
         if tuple(t.shape) != tuple(shape) or t.dtype != torch.float32:
             raise CodecError(f"{name}: fp32 delta of shape {tuple(t.shape)} {t.dtype}, expected {tuple(shape)} float32")
         return t
 
-    def encoded_specs(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-        """What `encode` produces for a tensor of `shape` (names, dtypes, shapes), known before encoding."""
+    def encoded_specs(self, name, shape):
         return [(name, torch.float32, tuple(shape))]
 
 
@@ -67,6 +93,10 @@ class Int8(Codec):
         if block < 1:
             raise CodecError(f"int8 block must be >= 1, got {block}")
         self.block = block
+
+    @classmethod
+    def build(cls, int8_block: int) -> "Int8":
+        return cls(int8_block)
 
     def _blocks(self, shape) -> int:
         return max(1, math.ceil(math.prod(shape) / self.block))
@@ -98,12 +128,12 @@ class Int8(Codec):
         return [(name, torch.int8, tuple(shape)), (name + SCALE, torch.float32, (self._blocks(shape),))]
 
 
+CODEC_CLASSES: dict[str, type[Codec]] = {cls.name: cls for cls in (FP32, BF16, Int8)}
+"""The registry `sync.codec` selects from (spes/config/schema.py's CODECS lists the same names: a test keeps them equal)."""
+
+
 def make_codec(name: str, int8_block: int = 256) -> Codec:
-    if name == "fp32":
-        return Codec()
-    if name == "bf16":
-        return BF16()
-    if name == "int8":
-        return Int8(int8_block)
-    raise CodecError(f"unknown codec {name!r} (known: {', '.join(CODECS)})")
+    if name not in CODEC_CLASSES:
+        raise CodecError(f"unknown codec {name!r} (known: {', '.join(CODECS)})")
+    return CODEC_CLASSES[name].build(int8_block)
 

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from spes.sync.codecs import Codec
-from spes.sync.methods import SyncMethod
+from spes.sync.method import SyncMethod
 
 SHARED_FILE, EXPERTS_FILE = "shared.safetensors", "experts.safetensors"
 MOMENTS_FILE = "moments.safetensors"

@@ -11,7 +11,7 @@ from spes.errors import ProtocolError, RunLocked
 from spes.run.lease import WriterLease
 from spes.run.run import Run
 from spes.storage.store import Store
-from spes.sync.methods import weighted_sum
+from spes.sync.method import weighted_sum
 from tests.pipelines.tiny_project import assert_same, final_weights, init_run, make_project
 
 

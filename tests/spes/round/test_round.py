@@ -18,7 +18,8 @@ from spes.storage.store import Store
 from spes.storage.tensorio import tensors_sha256
 from spes.sync.codecs import make_codec
 from spes.sync.deltas import EXPERTS_FILE, SHARED_FILE, apply_delta
-from spes.sync.methods import sync_method, weighted_sum
+from spes.sync.method import weighted_sum
+from spes.sync.methods import sync_method
 from tests.conftest import tiny_config
 
 
@@ -110,7 +111,7 @@ def test_spes_with_an_outer_nesterov_step_on_the_shared_parameters_exact(tmp_pat
     """spes.shared_outer nesterov: shared tensors take DiLoCo's outer step on the nodes' mean delta (momentum
     kept in the global across rounds), experts still their owner's delta."""
     from spes.run.layout import OUTER_FILE
-    from spes.sync.methods import outer_step
+    from spes.sync.outer import OuterSGD
 
     p = make_params(tmp_path)
     p.spes.shared_outer = "nesterov"
@@ -129,9 +130,36 @@ def test_spes_with_an_outer_nesterov_step_on_the_shared_parameters_exact(tmp_pat
                 assert name not in outer  # no outer state for experts
             else:
                 mean = weighted_sum([ups[0][SHARED_FILE][name], ups[1][SHARED_FILE][name]], [0.5, 0.5])
-                change, bufs[name] = outer_step(mean, bufs.get(name), 0.7, 0.9, True)
+                change, state = OuterSGD(0.7, 0.9, True).step(name, mean, {name: bufs[name]} if name in bufs else {})
+                bufs[name] = state[name]
                 assert torch.equal(t, prev[name] + change) and torch.equal(outer[name], bufs[name]), name
     assert run.global_meta(2).method == "spes"
+
+
+def test_fedadam_keeps_two_moments_per_tensor_beside_the_global_exact(tmp_path, data):
+    """A method with two state tensors per parameter (FedAdam) runs through the unchanged aggregator: every
+    tensor is prev + Adam's step on the nodes' mean delta, its moments and step stored in outer.safetensors
+    and taken up again the next round."""
+    from spes.run.layout import OUTER_FILE
+    from spes.sync.fedadam import OuterAdam
+
+    p = make_params(tmp_path)
+    p.spes.method, p.spes.outer_lr = "fedadam", 0.01
+    run = start(p)
+    adam, state = OuterAdam(0.01, 0.9, 0.99, 1e-3), {}
+    for r in (1, 2):
+        do_round(p, run, data, r)
+        ups = [run.store.read_bundle(run.layout.node_dir(r, i)).files[SHARED_FILE] for i in (0, 1)]
+        prev, new = _global(run, r - 1), _global(run, r)
+        outer = run.store.read_bundle(run.layout.global_dir(r)).files[OUTER_FILE]
+        assert sorted(outer) == sorted(f"{n}#{k}" for n in new for k in ("exp_avg", "exp_avg_sq", "step"))
+        for name, t in new.items():
+            mean = weighted_sum([ups[0][name], ups[1][name]], [0.5, 0.5])
+            change, kept = adam.step(name, mean, {k: v for k, v in state.items() if k.startswith(name + "#")})
+            state.update(kept)
+            assert torch.equal(t, prev[name] + change), name
+            assert all(torch.equal(outer[k], v) for k, v in kept.items()), name
+    assert run.global_meta(2).method == "fedadam" and outer[f"{name}#step"].item() == 2
 
 
 def test_a_retried_node_round_is_idempotent(tmp_path, data):

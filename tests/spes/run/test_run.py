@@ -30,6 +30,16 @@ def test_new_settings_at_their_neutral_value_keep_runs_resumable(monkeypatch):
     assert fingerprint_of(older) != settings_fingerprint(p)
 
 
+def test_fedadams_settings_leave_earlier_runs_fingerprints_alone():
+    """spes.outer_beta2 and spes.outer_eps came with FedAdam: a run written before them hashes the same."""
+    p = Params()
+    older = to_dict(p)
+    del older["spes"]["outer_beta2"], older["spes"]["outer_eps"]
+    assert fingerprint_of(older) == settings_fingerprint(p)
+    p.spes.outer_eps = 1e-4
+    assert fingerprint_of(older) != settings_fingerprint(p)
+
+
 def test_a_run_from_before_fingerprint_versions_stays_resumable(tmp_path):
     """Such a run hashed only what differed from the schema defaults of its time."""
     p = Params()
