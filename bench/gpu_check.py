@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from moe_step import matmul_peak, step_flops, timed  # noqa: E402
 
-from spes.config.schema import ModelConfig, OptimConfig, Params  # noqa: E402
+from spes.config.schema import DenseConfig, EvalConfig, MergeConfig, ModelConfig, OptimConfig, Params, SpesConfig  # noqa: E402
 from spes.model.transformer import CausalLM  # noqa: E402
 from spes.train.trainer import NodeTrainer  # noqa: E402
 
@@ -263,10 +263,10 @@ def check_node_round(a, dev) -> dict:
     init = CausalLM(cfg).canonical_state_dict()
     out = {}
     for key, where in (("reference", "cpu"), ("device", str(dev))):
-        p = Params(model=cfg)
+        p = Params(model=cfg, spes=SpesConfig(seq_len=64, merge=MergeConfig(top_k=2)), dense=DenseConfig(seq_len=64),
+                   eval=EvalConfig(seq_len=64))  # a Params is checked when built: sequences that fit the model
         s = p.spes
-        s.num_nodes, s.sync_steps, s.rounds, s.warmup_rounds, s.batch_size, s.seq_len = 2, 4, 2, 0, 4, 64
-        p.dense.seq_len = p.eval.seq_len = 64
+        s.num_nodes, s.sync_steps, s.rounds, s.warmup_rounds, s.batch_size = 2, 4, 2, 0, 4
         name = key
         p.storage.url, p.orchestration.device = os.path.join(tmp, f"{name}-storage"), where
         p.orchestration.node_state_dir = os.path.join(tmp, f"{name}-nodes")

@@ -84,7 +84,7 @@ def _forget_when_finished(p, store, run: str, node: int) -> None:
     node's state on shared storage, where an extension of the run reads it)."""
     import time
 
-    from spes.round.node import forget_finished_run
+    from spes.run.local_runs import forget_finished_run
 
     deadline = time.time() + p.orchestration.round_timeout_s
     while time.time() < deadline:

@@ -25,10 +25,10 @@ from spes.config.schema import Params
 from spes.data.tokens import TokenData, check_vocab
 from spes.errors import IntegrityError, RecordError
 from spes.round.driver import checkpoint_due, resume_point, round_members
-from spes.round.node import node_state_root
 from spes.run.identity import InitModel, fingerprinted, legacy_fingerprint, settings_fingerprint
 from spes.run.layout import tokens_dir
 from spes.run.lease import RunLease
+from spes.run.local_runs import node_state_root
 from spes.run.node_state import NodeStateDir
 from spes.run.records import RoundRecord
 from spes.run.run import Run

@@ -40,9 +40,9 @@ def main(argv=None) -> None:
             latest, m = latest_membership(store, run, method)
             print(f"run {run}: round {latest + 1}'s members")
             for n in m.members:
-                cap = f", at most {m.caps[n]} experts" if n in m.caps else ""
+                limit = f", at most {m.caps[n]} experts" if n in m.caps else ""
                 print(f"node {n}: experts {m.owners[n]}, data slot {m.slots[n]}, missed {m.missed.get(n, 0)} "
-                      f"in a row{cap}")
+                      f"in a row{limit}")
             return
         if a.node is None:
             raise MembershipError(f"{a.action} needs --node")

@@ -22,6 +22,17 @@ def tiny_config(**changes) -> ModelConfig:
     return ModelConfig(**{**TINY, **changes})
 
 
+def tiny_params(seq_len: int = 16, **changes):
+    """Params of the tiny model whose settings fit it (a Params is checked when built): every sequence
+    length `seq_len`, 2 merge donors (fewer than the experts). Tests change the rest afterwards."""
+    from spes.config.schema import DenseConfig, EvalConfig, MergeConfig, Params, SpesConfig
+
+    model = tiny_config(**changes)
+    donors = max(1, min(2, model.num_experts - 1))
+    return Params(model=model, spes=SpesConfig(seq_len=seq_len, merge=MergeConfig(top_k=donors)),
+                  dense=DenseConfig(seq_len=seq_len), eval=EvalConfig(seq_len=seq_len))
+
+
 def pytest_collection_modifyitems(config, items):
     """End-to-end tests are the ones under tests/pipelines and tests/faults; gpu tests skip without CUDA."""
     import torch

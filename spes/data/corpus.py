@@ -144,7 +144,7 @@ def iter_documents(t, storage_options: Optional[dict] = None, stats: Optional[Co
     """Every non-empty document of the corpus `t` (a TokenizeConfig) describes, in a stable order."""
     stats = stats if stats is not None else CorpusStats()
     if t.dataset:
-        sources = [(t.dataset, hub_documents(t.dataset, t.dataset_name, t.dataset_split, t.streaming, t.text_field))]
+        sources: list[tuple[str, Optional[Iterator[str]]]] = [(t.dataset, hub_documents(t.dataset, t.dataset_name, t.dataset_split, t.streaming, t.text_field))]
     else:
         files = expand(t.corpus, storage_options) if t.corpus else default_corpus_files(t.max_files)
         sources = [(f, None) for f in files]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Optional
+from typing import Any, BinaryIO, Optional
 
 import numpy as np
 
@@ -23,8 +23,8 @@ class ShardWriter:
             raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}")
         self.folder, self.split, self.dtype, self.shard_tokens = folder, split, np.dtype(dtype), shard_tokens
         self.shards: list[dict] = []
-        self._f = None
-        self._h = None
+        self._f: Optional[BinaryIO] = None
+        self._h: Any = None  # hashlib's sha256 of the open shard
         self._tokens = self._docs = 0
 
     def _open(self) -> None:
@@ -33,6 +33,7 @@ class ShardWriter:
         self._tokens = self._docs = 0
 
     def _close(self) -> None:
+        assert self._f is not None
         self._f.close()
         os.replace(os.path.join(self.folder, self._name + ".part"), os.path.join(self.folder, self._name))
         self.shards.append({"file": self._name, "tokens": self._tokens, "documents": self._docs,
@@ -55,6 +56,7 @@ class ShardWriter:
                 last = first + 1
             end = int(doc_ends[last - 1])
             buf = np.ascontiguousarray(tokens[start:end], dtype=self.dtype).tobytes()
+            assert self._f is not None
             self._f.write(buf)
             self._h.update(buf)
             self._tokens += end - start

@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import numpy as np
 
@@ -38,7 +38,7 @@ times the batch in its encodings (4 MiB batches let the peak memory creep up wit
 
 @dataclass
 class LoadedTokenizer:
-    tokenizer: "object"  # tokenizers.Tokenizer
+    tokenizer: Any  # tokenizers.Tokenizer or a transformers tokenizer's backend
     eos_id: int
     vocab: int
     """Every id is below this (added tokens included)."""
@@ -244,9 +244,9 @@ def tokenize_corpus(docs: Iterable[str], out_dir: str, vocab_size: int, tokenize
     finally:
         if bar is not None:
             bar.close()
-    for split, want in (("train", "training"), ("val", "held-out")):
+    for split, kind in (("train", "training"), ("val", "held-out")):
         if not shards[split]:
-            raise CorpusError(f"no {want} documents: the corpus is too small for tokenize.val_fraction="
+            raise CorpusError(f"no {kind} documents: the corpus is too small for tokenize.val_fraction="
                               f"{val_fraction} (documents are split by hash)")
     meta = write_index(out_dir, shards, dtype, vocab_size, tok.vocab, tok.eos_id)
     seconds = time.perf_counter() - t0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -70,7 +70,7 @@ def variant_params(p: Params, variant: str, seed: Optional[int] = None, lr: Opti
         merged = OmegaConf.merge(OmegaConf.create(to_dict(p)), OmegaConf.from_dotlist(overrides))
     except OmegaConfBaseException as e:
         raise ConfigError(f"compare.variants.{variant}: {str(e).splitlines()[0]}") from None
-    d = OmegaConf.to_container(merged)
+    d: Any = OmegaConf.to_container(merged)
     if seed is not None:
         d["spes"]["seed"] = seed
     if lr is not None:
@@ -170,7 +170,7 @@ def _over_seeds(per_seed: list[tuple[float, float]]) -> tuple[Optional[float], O
 def summarize(p: Params, results: list[dict]) -> dict:
     """Per (variant, budget): the best learning rate's mean and spread over seeds, and everything the table
     shows; plus the sweep and the merging effect. `results` are the runs' result.json dicts."""
-    by = {}
+    by: dict[tuple, list[dict]] = {}
     for res in results:
         by.setdefault((res["variant"], res["budget"], res["lr"]), []).append(res)
     sweep = {k: _mean_std([r["heldout_loss"] for r in v]) for k, v in by.items()}
@@ -218,7 +218,7 @@ def verdict(diff: Optional[float], se: Optional[float], per_seed: list[float]) -
     """'better' or 'worse' only when the difference is beyond both kinds of noise: more than twice its
     document-clustered SE (which windows were scored) and twice its SE over seeds (how training went), with
     every seed on the same side; else 'within noise' ('one seed' where the second kind is unknown)."""
-    if diff is None:
+    if diff is None or se is None:
         return "-"
     over_seeds = seed_se(per_seed)
     if over_seeds is None:
@@ -309,6 +309,10 @@ def _fmt_bytes(n: Optional[float]) -> str:
     return "-" if n is None or (isinstance(n, float) and math.isnan(n)) else f"{n / 2**20:.2f}"
 
 
+def _paired(d: Optional[float], se: Optional[float]) -> str:
+    return "-" if d is None or se is None else f"{d:+.4f} ({se:.4f})"
+
+
 def report_markdown(p: Params, summary: dict) -> str:
     c = p.compare
     out = ["# SPES vs baselines at equal tokens\n",
@@ -360,14 +364,11 @@ def report_markdown(p: Params, summary: dict) -> str:
                 f"minus the same method at sync_steps {p.spes.sync_steps} (paired SE) | bytes / node / token |",
                 "|---|---|---|---|---|---|---|---|"]
 
-        def paired(d, se):
-            return "-" if d is None else f"{d:+.4f} ({se:.4f})"
-
         for f in summary["frontier"]:
             out.append(f"| {f['method']} | {f['budget']}x | {f['sync_steps']} | {f['seeds']} | "
                        f"{f['heldout_loss_mean']:.4f} +- {f['heldout_loss_std']:.4f} | "
-                       f"{paired(f['diff_to_baseline'], f['diff_to_baseline_se'])} | "
-                       f"{paired(f.get('diff_to_base_interval'), f.get('diff_to_base_interval_se'))} | "
+                       f"{_paired(f['diff_to_baseline'], f['diff_to_baseline_se'])} | "
+                       f"{_paired(f.get('diff_to_base_interval'), f.get('diff_to_base_interval_se'))} | "
                        f"{f['bytes_per_node_per_token']:.1f} |")
     sl = summary.get("slice")
     if sl:

@@ -2,17 +2,18 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch
 
+from spes.data.shards import TokenSequence
 from spes.data.tokens import eval_batches
 from spes.model.transformer import CausalLM
 
 
 @torch.no_grad()
-def heldout_loss(model: CausalLM, tokens: np.ndarray, batch_size: int, seq_len: int,
+def heldout_loss(model: CausalLM, tokens: Union[np.ndarray, TokenSequence], batch_size: int, seq_len: int,
                  num_batches: Optional[int] = None, spread: bool = False) -> dict:
     """Mean next-token loss over fixed windows of the held-out split (all of it when num_batches is None),
     with the standard error of that mean estimated from the spread of the per-window means, and those

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +96,12 @@ def grouped_linear(x_SD: torch.Tensor, w_EOD: torch.Tensor, counts_E: torch.Tens
 class ExpertChunk(nn.Module):
     """Experts [start, end) of one layer, all trainable or all frozen."""
 
+    start: int
+    end: int
+    trainable: bool
+    gate_up_proj: nn.Parameter
+    down_proj: nn.Parameter
+
     def __init__(self, start: int, end: int, gate_up_EID: torch.Tensor, down_EDI: torch.Tensor, trainable: bool):
         super().__init__()
         self.start, self.end, self.trainable = start, end, trainable
@@ -140,27 +146,30 @@ class Experts(nn.Module):
                 start = e
         self.chunks = nn.ModuleList(chunks)
 
+    def expert_chunks(self) -> list[ExpertChunk]:
+        return cast(list[ExpertChunk], list(self.chunks))
+
     @torch.no_grad()
     def full_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up E x 2I x D, down E x D x I) in the trainable chunks' dtype (fp32 master)."""
-        dtype = next((c.gate_up_proj.dtype for c in self.chunks if c.trainable), torch.float32)
-        gate_up = torch.cat([c.gate_up_proj.detach().to(dtype) for c in self.chunks])
-        down = torch.cat([c.down_proj.detach().to(dtype) for c in self.chunks])
+        dtype = next((c.gate_up_proj.dtype for c in self.expert_chunks() if c.trainable), torch.float32)
+        gate_up = torch.cat([c.gate_up_proj.detach().to(dtype) for c in self.expert_chunks()])
+        down = torch.cat([c.down_proj.detach().to(dtype) for c in self.expert_chunks()])
         return gate_up, down
 
     @torch.no_grad()
     def load_full(self, gate_up_EID: torch.Tensor, down_EDI: torch.Tensor) -> None:
-        for c in self.chunks:
+        for c in self.expert_chunks():
             c.gate_up_proj.copy_(gate_up_EID[c.start:c.end])
             c.down_proj.copy_(down_EDI[c.start:c.end])
 
     # -- compute --------------------------------------------------------------------------------
     def forward(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         if len(self.chunks) == 1:  # no host sync on this path (grouped_mm / Triton take device offsets)
-            return self.chunks[0](x_SD, counts_E, impl=self.impl)
+            return self.expert_chunks()[0](x_SD, counts_E, impl=self.impl)
         counts = counts_E.tolist()  # host sync: chunk boundaries are needed to slice the rows
         outs, row = [], 0
-        for c in self.chunks:
+        for c in self.expert_chunks():
             n = sum(counts[c.start:c.end])
             outs.append(c(x_SD[row:row + n], counts_E[c.start:c.end], counts[c.start:c.end], self.impl))
             row += n

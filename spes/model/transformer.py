@@ -194,6 +194,7 @@ class CausalLM(nn.Module):
                                   for r in routers]).mean()
             z_L = torch.stack([router_z_loss(r.logits_TE) for r in routers])
             out.z = z_L.sum() if self.cfg.z_loss_reduction == "sum" else z_L.mean()
+            assert out.loss is not None  # labels were given
             out.loss = out.loss + self.cfg.lb_loss_coef * out.lb + self.cfg.z_loss_coef * out.z
         return out
 

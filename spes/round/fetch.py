@@ -36,7 +36,7 @@ def delta_files(store: Store, layout: RunLayout, q: int, dm: dict, local_files: 
     files = {f: local_files[f][1] for f, e in dm["files"].items() if held(f, e["sha256"])}
     files.update(store.read_bundle(layout.delta_dir(q), [f for f in dm["files"] if f not in files], dm).files)
     for fname, ref in delta_meta(store, layout, q, dm).expert_files.items():
-        if ref.source is None:
+        if ref.source is None or ref.file is None:
             continue
         if held(fname, ref.sha256):
             files[fname] = local_files[fname][1]

@@ -4,6 +4,10 @@
   train        sync_steps local steps (every rank of the node)
   commit       encoded delta upload (committed) + the node's state after round r
 
+Each step takes the round's `NodeContext` (the settings, storage, the run's layout, and the sync method and
+codec built once from them), not the settings to rebuild them from. The node's housekeeping of other runs'
+local folders is spes/run/local_runs.py.
+
 The node's state stays on its machine (spes/run/node_state.py) and goes to shared storage only at checkpoint
 rounds, before the upload is committed (so a committed upload implies its checkpoint exists). Every byte
 the node reads or writes on shared storage is counted in what it reports.
@@ -12,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -27,13 +30,15 @@ from spes.model.transformer import CausalLM
 from spes.round.fetch import fetch_global
 from spes.round.progress_line import progress_line
 from spes.run.layout import RunLayout
+from spes.run.local_runs import node_state_root, tidy_other_runs_once
 from spes.run.membership import membership_of
 from spes.run.node_state import NodeState, NodeStateDir
 from spes.run.records import GlobalMeta, NodeReport, StateRef, UploadMeta
 from spes.run.run import Run
 from spes.storage.store import BundleWriter, Store
-from spes.sync.codecs import make_codec
+from spes.sync.codecs import Codec, make_codec
 from spes.sync.deltas import EXPERTS_FILE, MOMENTS_FILE, averaged_moments, encode_upload, experts_file
+from spes.sync.method import SyncMethod
 from spes.sync.methods import sync_method
 from spes.train.devices import resolve_device
 from spes.train.distributed import broadcast_object, broadcast_tensors, rank_and_size, shards_node
@@ -43,15 +48,27 @@ from spes.train.trainer import NodeTrainer, build_node_trainer
 log = logging.getLogger("spes.round.node")
 
 
+@dataclass
+class NodeContext:
+    """What a node round works with, built once from the settings: storage, the run's layout, the sync
+    method and the codec (rather than each step rebuilding them from `p`)."""
+
+    p: Params
+    store: Store
+    run: str
+    layout: RunLayout
+    method: SyncMethod
+    codec: Codec
+
+    @classmethod
+    def build(cls, p: Params, store: Store, run: str) -> "NodeContext":
+        return cls(p, store, run, RunLayout(run), sync_method(p.spes), make_codec(p.sync.codec, p.sync.int8_block))
+
+
 def node_seed(seed: int, node: int, r: int) -> int:
     """Torch RNG seed of node `node` in round r: distinct per (run seed, node, round), so any use of
     randomness in a step (dropout, noise) replays exactly on a retry or resume. Spaced by primes."""
     return seed * 100003 + node * 1009 + r
-
-
-def node_state_root(p: Params) -> str:
-    o = p.orchestration
-    return os.path.expanduser(o.node_state_dir or os.path.join(o.node_cache_dir, "state"))
 
 
 def last_checkpoint_round(r: int, every: int) -> int:
@@ -102,84 +119,20 @@ class RoundInputs:
     """Its data position: its state's, or (no state: a new member) where its slot would be had it read every round."""
 
 
-_SWEPT: set = set()
-"""(storage, run, run id, node) for which this process has tidied the node's folders of other runs."""
-
-
-def local_states_to_keep(store: Store, name: str, id12: str, node: int,
-                         window: Optional[int] = None) -> Optional[set[int]]:
-    """Which of `node`'s local states of run `name` (run id starting `id12`) a resume can still need, by what
-    storage says: none when the run is gone or was started anew; for a finished run (its last global, the
-    schedule over, committed), the rounds of the states that the globals still on storage (with `window`,
-    only the last `window` rounds: retention's, which may not have run yet) were built with and that are not
-    checkpointed there; None (keep everything) while the run goes on, or when storage does not answer."""
-    try:
-        run = Run(store, name)
-        info = run.info()
-        if info is None:  # gone from storage (or never there): nothing to resume
-            return set() if not run.committed_rounds() else None
-        if not info["run_id"].startswith(id12):  # started anew under the same name
-            return set()
-        latest = run.latest_round()
-        if latest is None:
-            return None
-        meta = run.global_meta(latest)
-        if not (meta.total_steps and meta.step >= meta.total_steps):
-            return None
-        keep = set()
-        for r in run.committed_rounds():
-            if window is not None and r <= latest - window:
-                continue
-            ref = (meta if r == latest else run.global_meta(r)).node_states.get(node)
-            if ref is not None and not run.has_checkpointed_state(node, ref):
-                keep.add(ref.round)
-        return keep
-    except Exception:  # nothing is removed on doubt
-        return None
-
-
-def tidy_other_runs(p: Params, store: Store, local: NodeStateDir) -> list[str]:
-    """This node's folders of other runs on this machine: removed when the run is gone or superseded; of a
-    finished run only the states a resume from a round still on storage needs stay. What was tidied."""
-    out = []
-    for name, id12 in local.sibling_runs():
-        keep = local_states_to_keep(store, name, id12, local.node)
-        other = NodeStateDir(node_state_root(p), store.url, name, id12, local.node)
-        if keep is not None and other.keep_only(keep):
-            out.append(other.path)
-    return out
-
-
-def forget_finished_run(p: Params, store: Store, run: str, node: int) -> Optional[str]:
-    """Once run `run` has finished: this machine keeps only the states of `node` a resume from a round still
-    on storage needs (none when they are all checkpointed); its folder's path when it tidied it, else None."""
-    info = Run(store, run).info()
-    if info is None:
-        return None
-    local = NodeStateDir(node_state_root(p), store.url, run, info["run_id"], node)
-    keep = local_states_to_keep(store, run, info["run_id"][:12], node, p.storage.keep_rounds)
-    if keep is None or not os.path.isdir(local.path) or not local.keep_only(keep):
-        return None
-    return local.path
-
-
-def read_inputs(p: Params, store: Store, run: str, r: int, node: int, from_checkpoint: bool = False) -> RoundInputs:
+def read_inputs(ctx: NodeContext, r: int, node: int, from_checkpoint: bool = False) -> RoundInputs:
     """Rank 0: global r-1 (rebuilt from the deltas since the global held here, or downloaded) and the node's
     state that global was built with (from this machine, or the checkpoint on shared storage). With
     `from_checkpoint` (its machine was lost), a state that is neither here nor checkpointed is replaced by the
     node's latest checkpointed one (its optimizer state, residual and data position of then)."""
-    layout = RunLayout(run)
+    p, store, run, layout = ctx.p, ctx.store, ctx.run, ctx.layout
     info = Run(store, run).info()
     if info is None:
         raise ProtocolError(f"run {run!r} has no info on {store.url}")
     local = NodeStateDir(node_state_root(p), store.url, run, info["run_id"], node)
-    if (store.url, run, info["run_id"], node) not in _SWEPT:  # once per run and node process, not every round
-        for tidied in tidy_other_runs(p, store, local):
-            log.info("node %d: tidied the local state of a superseded, finished or gone run: %s", node, tidied)
-        _SWEPT.add((store.url, run, info["run_id"], node))
+    tidy_other_runs_once(p, store, run, info["run_id"], local)
     prev_manifest = store.read_manifest(layout.global_dir(r - 1))
     prev_meta = GlobalMeta.from_json(prev_manifest["meta"], f"{store.url}/{layout.global_dir(r - 1)}")
-    membership = membership_of(prev_meta, sync_method(p.spes))
+    membership = membership_of(prev_meta, ctx.method)
     if node not in membership.owners:
         raise MembershipError(f"node {node} is not a member of run {run!r} in round {r} (members "
                               f"{membership.members}); to take part again: python -m spes.members join --node {node}")
@@ -196,11 +149,10 @@ def read_inputs(p: Params, store: Store, run: str, r: int, node: int, from_check
         # every node continues from the mean of the nodes' moments of the averaged parameters
         mean = store.read_bundle(layout.global_dir(r - 1), [MOMENTS_FILE], prev_manifest).files[MOMENTS_FILE]
         state.optim.update({k: v for k, v in mean.items() if k in state.optim})
-    codec = make_codec(p.sync.codec, p.sync.int8_block)
     # its own experts' rows in the delta are the bytes it uploaded last: no need to download them back
     own_cached = {experts_file(node): (state.experts_sha256, state.experts_upload)} \
         if state is not None and state.experts_upload else None
-    prev, prev_sha = fetch_global(store, layout, r - 1, prev_manifest, codec, sync_method(p.spes), local.base(),
+    prev, prev_sha = fetch_global(store, layout, r - 1, prev_manifest, ctx.codec, ctx.method, local.base(),
                                   local.load_base, own_cached)
     if local.base() != (r - 1, prev_sha) and local.save_base(r - 1, prev) != prev_sha:
         raise StorageError(f"node {node}: global {r - 1} as held here does not hash to the committed {prev_sha[:12]}")
@@ -229,17 +181,15 @@ class Assignment:
 def _share(inputs: Optional[RoundInputs], sharded: bool) -> tuple[Optional[dict], Optional[dict], Assignment]:
     """(global r-1, optimizer tensors, the round's assignment) on every rank of the node. A sharded node
     (fsdp) keeps the tensors on rank 0, which gives each rank its shards (None elsewhere)."""
-    lead = inputs is not None
+    state = inputs.state if inputs is not None else None
+    prev = inputs.prev if inputs is not None else None
     small = broadcast_object((Assignment(inputs.model_config, inputs.position, inputs.owned, inputs.slot,
-                                         expert_steps(inputs.state.optim) if inputs.state else {}),
-                              inputs.state is not None) if lead else None)
+                                         expert_steps(state.optim) if state else {}),
+                              state is not None) if inputs is not None else None)
     job, has_state = small
     if sharded:
-        optim = (inputs.state.optim if lead else None) if has_state else {}
-        return (inputs.prev if lead else None), optim, job
-    prev = broadcast_tensors(inputs.prev if lead else None)
-    optim = broadcast_tensors(inputs.state.optim if lead and inputs.state else None) if has_state else {}
-    return prev, optim, job
+        return prev, (state.optim if state else None) if has_state else {}, job
+    return broadcast_tensors(prev), broadcast_tensors(state.optim if state else None) if has_state else {}, job
 
 
 @dataclass
@@ -257,20 +207,21 @@ class Trained:
     state_bytes: int
 
 
-def _data_stream(p: Params, data: TokenData, job: Assignment, batch: int) -> BatchStream:
+def _data_stream(p: Params, nodes: int, data: TokenData, job: Assignment, batch: int) -> BatchStream:
     """The node's batches: slot k < spes.num_nodes reads share k of each epoch; a slot beyond them (a node
     that joined while every share was taken) samples windows at random, seeded by its slot, since the epoch
     split is fixed at spes.num_nodes shares for the whole run."""
-    s, nodes = p.spes, sync_method(p.spes).nodes
+    s = p.spes
     order = p.data.order if job.slot < nodes else "random_windows"
     return BatchStream(data.train, batch, s.seq_len, s.seed, job.slot, job.position, order=order, num_nodes=nodes)
 
 
-def train(p: Params, r: int, node: int, data: TokenData, prev: dict, optim: dict, job: Assignment,
-          on_step: Optional[Callable[[int], None]] = None) -> Trained:
+def train(ctx: NodeContext, r: int, node: int, data: TokenData, prev: Optional[dict], optim: Optional[dict],
+          job: Assignment, on_step: Optional[Callable[[int], None]] = None) -> Trained:
     """Every rank: the node's `sync_steps` local steps from global r-1 (this rank's share of each batch)."""
     t0 = time.perf_counter()
-    s, method = p.spes, sync_method(p.spes)
+    p, method = ctx.p, ctx.method
+    s = p.spes
     rank, ranks = rank_and_size()
     device = resolve_device(p.orchestration.device, node * ranks + rank)
     cfg = model_for_training(job.model_config, p.model)
@@ -281,13 +232,14 @@ def train(p: Params, r: int, node: int, data: TokenData, prev: dict, optim: dict
         trainer.load_global(prev)
     else:
         model = CausalLM(cfg)
+        assert prev is not None  # unsharded: every rank holds the broadcast global
         model.load_canonical_state_dict(prev)
         trainer = build_node_trainer(s, model.to(device), node, None, job.owned, job.expert_steps)
     if optim is None or optim:  # None: a sharded node's rank other than 0, whose shards come from rank 0
         trainer.load_optimizer_tensors(optim)
     torch.manual_seed(node_seed(s.seed, node, r))
     batch = method.node_batch_size
-    stream = _data_stream(p, data, job, batch)
+    stream = _data_stream(p, method.nodes, data, job, batch)
     share = slice(rank * batch // ranks, (rank + 1) * batch // ranks)
     t_load = time.perf_counter() - t0
 
@@ -306,30 +258,29 @@ def train(p: Params, r: int, node: int, data: TokenData, prev: dict, optim: dict
             _log_progress(node, r, i + 1, s.sync_steps, float(m.ce), tokens, time.perf_counter() - t1)  # a host sync
         if on_step is not None:
             on_step(i)
-    losses = torch.stack(losses).tolist()  # the round's one wait for the device
-    return Trained(trainer, stream.position, losses, tokens, counts, device, t_load, time.perf_counter() - t1,
+    losses_cpu: list[float] = torch.stack(losses).tolist()  # the round's one wait for the device
+    return Trained(trainer, stream.position, losses_cpu, tokens, counts, device, t_load, time.perf_counter() - t1,
                    trainer.state_bytes())
 
 
-def commit(p: Params, store: Store, run: str, r: int, node: int, inputs: RoundInputs, t: Trained,
-           trained: dict[str, torch.Tensor], optim: dict[str, torch.Tensor], checkpoint: bool, bytes_read0: int,
-           bytes_written0: int) -> NodeReport:
+def commit(ctx: NodeContext, r: int, node: int, inputs: RoundInputs, t: Trained, trained: dict[str, torch.Tensor],
+           optim: dict[str, torch.Tensor], checkpoint: bool, bytes_read0: int, bytes_written0: int) -> NodeReport:
     """Rank 0: encode the upload (`trained`: the trainer's upload), keep the node's state (`optim`: its
     optimizer tensors) and checkpoint it, commit the upload."""
     t2 = time.perf_counter()
-    s, layout = p.spes, RunLayout(run)
+    p, store, layout, codec = ctx.p, ctx.store, ctx.layout, ctx.codec
+    s = p.spes
     first_step = (r - 1) * s.sync_steps
     _check_finite(t.losses, first_step, node, r, trained)
     state, local = inputs.state, inputs.local
-    codec = make_codec(p.sync.codec, p.sync.int8_block)
     residual = state.residual if state is not None else None
-    if residual and state.owned is not None and state.owned != t.trainer.owned:  # expert rows follow the experts
+    if residual and state is not None and state.owned is not None and state.owned != t.trainer.owned:  # expert rows follow the experts
         residual = {n: remap_rows(v, state.owned, t.trainer.owned) if is_expert_param(n) else v
                     for n, v in residual.items()}
-    files, residual = encode_upload(sync_method(s), codec, inputs.prev, trained, t.trainer.owned, residual,
+    files, residual = encode_upload(ctx.method, codec, inputs.prev, trained, t.trainer.owned, residual,
                                     p.sync.error_feedback)
     if p.sync.average_optimizer_state:
-        files[MOMENTS_FILE] = averaged_moments(sync_method(s), optim)
+        files[MOMENTS_FILE] = averaged_moments(ctx.method, optim)
     saved = local.save_state(r, t.position, optim, residual, files.get(EXPERTS_FILE, {}), t.trainer.owned)
     if checkpoint:  # the same files, so the same digest: a resume can take it from either place
         store.remove(layout.state_dir(r, node))
@@ -373,11 +324,12 @@ def node_round(p: Params, store: Store, run: str, r: int, node: int, data: Token
     if broadcast_object(done is not None):  # a retry after the node already finished
         return done
     read0, written0 = store.bytes_read, store.bytes_written
-    inputs = read_inputs(p, store, run, r, node, from_checkpoint) if lead else None
+    ctx = NodeContext.build(p, store, run)
+    inputs = read_inputs(ctx, r, node, from_checkpoint) if lead else None
     prev, optim, job = _share(inputs, shards_node(p.spes.node_parallel))
-    t = train(p, r, node, data, prev, optim, job, on_step)
+    t = train(ctx, r, node, data, prev, optim, job, on_step)
     trained, optim = t.trainer.upload(), t.trainer.optimizer_tensors()  # every rank: gathers under fsdp
-    if not lead:
+    if inputs is None:  # not rank 0
         return None
-    return commit(p, store, run, r, node, inputs, t, trained, optim, checkpoint, read0, written0)
+    return commit(ctx, r, node, inputs, t, trained, optim, checkpoint, read0, written0)
 

@@ -17,4 +17,7 @@ def progress_line(node: int, r: int, done: int, steps: int, loss: float, tokens:
 def parse_progress(line: str) -> Optional[tuple[int, int, int, int]]:
     """(node, round, steps done, steps) of a node's progress line, else None."""
     m = PROGRESS_LINE.search(line)
-    return tuple(int(g) for g in m.groups()) if m else None
+    if not m:
+        return None
+    node, rnd, done, steps = (int(g) for g in m.groups())
+    return node, rnd, done, steps

@@ -118,8 +118,8 @@ class InitModel:
                 raise ProtocolError(f"initial model: {f} does not exist; run the upcycle stage first "
                                     "(dvc repro upcycle)")
         try:
-            with open(cfg_path) as f:
-                cfg = json.load(f)
+            with open(cfg_path) as fh:
+                cfg = json.load(fh)
             model_config = ModelConfig(**cfg["model_config"])
         except (ValueError, KeyError, TypeError) as e:
             raise IntegrityError(f"{cfg_path}: not an initial model's config ({type(e).__name__}: {e})") from None

@@ -124,6 +124,7 @@ class WriterLease:
 
     def refresh(self) -> None:
         self.check()
+        assert self.gen is not None  # check() raised otherwise
         self.store.write_bytes(self.layout.lease_file(self.gen), self._body())
 
     def release(self) -> None:
@@ -131,6 +132,7 @@ class WriterLease:
             self.check()
         except RunLocked:
             return  # not ours any more: leave the current holder's file alone
+        assert self.gen is not None
         self.store.write_bytes(self.layout.lease_file(self.gen), self._body(released=True))
 
 

@@ -121,7 +121,7 @@ class NodeStateDir:
         except IntegrityError as e:
             state, damaged = None, e
         else:
-            damaged = None
+            damaged = None  # type: ignore[assignment]  # no damage: the local copy was read
         if state is None and ref.checkpoint:
             state = self._load(shared, checkpoint_rel, f"{shared.url}/{checkpoint_rel}", digest)
         if state is None:

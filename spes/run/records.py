@@ -33,7 +33,7 @@ def _check(value: Any, hint: Any, where: str, key: str) -> Any:
         if value is None:
             return None
         return _check(value, args[0], where, key)
-    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and issubclass(hint, Record):
         return hint.from_json(value, where)
     if origin is list:
         if not isinstance(value, list):
@@ -66,7 +66,7 @@ def _check(value: Any, hint: Any, where: str, key: str) -> Any:
 
 
 def _to_json(value: Any) -> Any:
-    if dataclasses.is_dataclass(value):
+    if isinstance(value, Record):
         return value.to_json()
     if isinstance(value, list):
         return [_to_json(v) for v in value]
@@ -79,7 +79,7 @@ class Record:
     """to_json / from_json for a dataclass whose fields are JSON values, lists, dicts or other records."""
 
     def to_json(self) -> dict:
-        return {f.name: _to_json(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return {f.name: _to_json(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]  # a dataclass
 
     @classmethod
     def from_json(cls, d: Any, where: str):
@@ -87,7 +87,7 @@ class Record:
             raise RecordError(f"{where}: a {cls.__name__} must be a JSON object, got {type(d).__name__}")
         hints = get_type_hints(cls)
         kwargs = {}
-        for f in dataclasses.fields(cls):
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]  # a dataclass
             if f.name in d:
                 kwargs[f.name] = _check(d[f.name], hints[f.name], where, f.name)
             elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:

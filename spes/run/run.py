@@ -123,7 +123,9 @@ class Run:
             self.store.write_bundle(self.layout.global_dir(0), {MODEL_FILE: init.tensors}, meta.to_json())
         else:
             run_id = self.global_meta(0).run_id or run_id  # a round 0 committed by whoever started the run
-        self._write_info(fingerprint, self._round0_sha(), run_id, settings)
+        round0_sha = self._round0_sha()
+        assert round0_sha is not None  # committed just above, or by whoever started the run
+        self._write_info(fingerprint, round0_sha, run_id, settings)
 
     # -- rounds ------------------------------------------------------------------------------------
     def _round_names(self) -> list[int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import posixpath
-from typing import BinaryIO, Callable, Optional
+from typing import BinaryIO, Callable, Optional, TypeVar
 
 import fsspec
 
@@ -18,6 +18,7 @@ from spes.errors import StorageError, UnsafePath
 from spes.storage.atomic import atomic_create, atomic_write
 from spes.storage.retry import RetryPolicy, is_access_denied
 
+_S = TypeVar("_S", bound="FileStore")
 
 class FileStore:
     def __init__(self, url: str, options: Optional[dict] = None, timeout_s: float = 30.0, retries: int = 4,
@@ -47,8 +48,8 @@ class FileStore:
         self.real_root = os.path.realpath(self.root) if protocol == "file" else self.root
 
     @classmethod
-    def from_config(cls, storage) -> "FileStore":
-        """From a `StorageConfig` section."""
+    def from_config(cls: type[_S], storage) -> _S:
+        """From a `StorageConfig` section (a Store's from_config gives a Store)."""
         return cls(storage.url, storage.options, storage.timeout_s, storage.retries)
 
     @property

@@ -173,7 +173,8 @@ class BundleWriter:
     """
 
     def __init__(self, store: Store, rel: str):
-        self.store, self.rel, self.entries = store, rel, {}
+        self.store, self.rel = store, rel
+        self.entries: dict[str, dict] = {}
         store.start_bundle(rel)
 
     def add(self, fname: str, tensors: dict[str, torch.Tensor]) -> dict:

@@ -14,7 +14,7 @@ import json
 import queue
 import struct
 import threading
-from typing import BinaryIO, Iterable, Optional
+from typing import Any, BinaryIO, Iterable, Optional
 
 import torch
 
@@ -66,7 +66,7 @@ class BackgroundSha256:
 
 def _raw(t: torch.Tensor) -> memoryview:
     flat = t.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray is a buffer
 
 
 class TensorWriter:
@@ -122,9 +122,10 @@ class TensorReader:
 
     def _take(self, n: int) -> bytearray:
         buf = bytearray(n)
-        got = self.f.readinto(memoryview(buf)) if n else 0
+        f: Any = self.f  # a binary file object: local, fsspec or S3 (all have readinto)
+        got = f.readinto(memoryview(buf)) if n else 0
         while got < n:  # short reads from buffered remote files
-            more = self.f.readinto(memoryview(buf)[got:])
+            more = f.readinto(memoryview(buf)[got:])
             if not more:
                 raise IntegrityError(f"{self.where}: truncated ({self.n + got} bytes, wanted more)")
             got += more

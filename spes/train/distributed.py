@@ -38,11 +38,12 @@ def broadcast_tensors(tensors: Optional[dict[str, torch.Tensor]]) -> dict[str, t
     if rank_and_size()[1] == 1:
         return tensors or {}
     lead = rank_and_size()[0] == 0
-    specs = broadcast_object({k: (tuple(t.shape), t.dtype) for k, t in tensors.items()} if lead else None)
+    held = tensors or {}
+    specs = broadcast_object({k: (tuple(t.shape), t.dtype) for k, t in held.items()} if lead else None)
     dev, out = _wire_device(), {}
     for name in sorted(specs):
         shape, dtype = specs[name]
-        t = tensors[name].to(dev).contiguous() if lead else torch.empty(shape, dtype=dtype, device=dev)
+        t = held[name].to(dev).contiguous() if lead else torch.empty(shape, dtype=dtype, device=dev)
         dist.broadcast(t, src=0)
         out[name] = t.cpu()
     return out

@@ -135,8 +135,8 @@ def unit_params(cfg: ModelConfig, s: SpesConfig, node: int) -> dict[str, tuple[i
             t[1] += f // cfg.num_experts * (cfg.num_experts - len(own))
         else:
             t[0] += f
-    blocks = [tuple(v) for k, v in units.items() if k != "root"]
-    return {"root": tuple(units["root"]), "block": max(blocks, key=sum) if blocks else (0, 0)}
+    blocks = [(v[0], v[1]) for k, v in units.items() if k != "root"]
+    return {"root": (units["root"][0], units["root"][1]), "block": max(blocks, key=sum) if blocks else (0, 0)}
 
 
 def fsdp_gathered_bytes(cfg: ModelConfig, s: SpesConfig, node: int) -> int:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, cast
 
 import torch
 
 from spes.config.schema import OptimConfig, SpesConfig
 from spes.model.losses import decayed_lb_factor
-from spes.model.moe import MoE
+from spes.model.moe import ExpertChunk, MoE
 from spes.model.transformer import CausalLM, ModelOutput
 from spes.sync.deltas import MOMENT_KINDS
 from spes.sync.methods import sync_method
@@ -199,7 +199,7 @@ class NodeTrainer:
         canonical = canonical_of_chunk(name)
         if canonical is None:
             return name
-        chunk = self.model.get_submodule(name.rsplit(".", 1)[0])
+        chunk = cast(ExpertChunk, self.model.get_submodule(name.rsplit(".", 1)[0]))
         return ranged_name(canonical, chunk.start, chunk.end)
 
     def optimizer_tensors(self) -> dict[str, torch.Tensor]:
@@ -233,7 +233,7 @@ class NodeTrainer:
             if n in stored:
                 out[n] = {"step": tensors[f"{n}::step"], **{k: tensors[f"{n}::{k}"] for k in MOMENT_KINDS}}
             elif n not in shared:
-                canonical, chunk = canonical_of_chunk(n), self.model.get_submodule(n.rsplit(".", 1)[0])
+                canonical, chunk = canonical_of_chunk(n), cast(ExpertChunk, self.model.get_submodule(n.rsplit(".", 1)[0]))
                 st = chunk_state(tensors, canonical, chunk.start, chunk.end)
                 if st is not None:
                     out[n] = st

@@ -4,7 +4,6 @@ import torch
 import yaml
 
 from spes.config.loader import to_dict
-from spes.config.schema import Params
 from spes.members import main
 from spes.model.transformer import CausalLM
 from spes.run.identity import InitModel, settings_fingerprint
@@ -12,12 +11,12 @@ from spes.run.layout import RunLayout
 from spes.run.membership import read_requests
 from spes.run.run import Run
 from spes.storage.store import Store
-from tests.conftest import tiny_config
+from tests.conftest import tiny_params
 
 
 @pytest.fixture
 def params_file(tmp_path):
-    p = Params(model=tiny_config(vocab_size=512))
+    p = tiny_params(vocab_size=512)
     p.spes.num_nodes, p.spes.seq_len, p.spes.batch_size, p.spes.merge.top_k = 2, 16, 2, 2
     p.dense.seq_len = p.eval.seq_len = 16
     p.storage.url, p.orchestration.run_name = str(tmp_path / "storage"), "m"

@@ -39,10 +39,11 @@ def test_variants_differ_only_in_what_they_name_and_train_on_equal_tokens():
     assert _diff(v["spes"], v["spes-4nodes"]) == {"spes.num_nodes", "spes.batch_size"}
     assert _diff(v["spes"], v["spes-int8"]) == {"sync.codec"}
     assert _diff(v["spes"], v["spes-no-merge"]) == {"spes.merge.enabled"}
+    assert _diff(v["fedavg"], v["fedadam"]) == {"spes.method", "spes.outer_lr"}
     assert len({run_tokens(x) for x in v.values()}) == 1
     cell = variant_params(p, "diloco", seed=1, lr=0.004, budget=4)
     assert _diff(v["diloco"], cell) == {"spes.seed", "spes.optim.lr", "spes.rounds"} and cell.spes.rounds == 40
-    assert len(cells(p)) == 7 * 2 and cells(p)[0].run_name == "cmp-spes-0-0.002-1"
+    assert len(cells(p)) == 8 * 2 and cells(p)[0].run_name == "cmp-spes-0-0.002-1"
 
 
 @pytest.mark.parametrize("variants,message", [

@@ -9,11 +9,11 @@ from spes.round.driver import HeldOutProbe, checkpoint_due, run_round
 from spes.round.node import node_round
 from spes.run.identity import settings_fingerprint
 from spes.run.records import NodeReport
-from tests.conftest import start_run, tiny_config
+from tests.conftest import start_run, tiny_params
 
 
 def _params(tmp_path, **spes) -> Params:
-    p = Params(model=tiny_config(vocab_size=512))
+    p = tiny_params(vocab_size=512)
     s = p.spes
     s.num_nodes, s.sync_steps, s.batch_size, s.seq_len, s.rounds, s.warmup_rounds = 2, 1, 1, 16, 50, 0
     s.merge.enabled = False
@@ -86,8 +86,8 @@ def test_an_extended_wsd_run_equals_one_that_had_that_many_rounds_from_the_start
     the start. With cosine, the same change is another run (the error says so)."""
     from spes.errors import RunMismatch
     from spes.round.driver import resume_point
-    from spes.round.node import node_state_root
     from spes.run.layout import MODEL_FILE
+    from spes.run.local_runs import node_state_root
     from spes.run.node_state import NodeStateDir
 
     def params(folder, rounds, schedule="wsd"):

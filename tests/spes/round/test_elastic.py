@@ -13,14 +13,14 @@ from spes.round.node import node_round
 from spes.run.layout import MODEL_FILE
 from spes.run.membership import request
 from spes.sync.methods import sync_method
-from tests.conftest import start_run, tiny_config
+from tests.conftest import start_run, tiny_params
 
 E = 6
 EXPERT = "model.layers.0.mlp.experts.down_proj"
 
 
 def _params(tmp_path, name) -> Params:
-    p = Params(model=tiny_config(vocab_size=512, num_experts=E))
+    p = tiny_params(vocab_size=512, num_experts=E)
     s = p.spes
     s.num_nodes, s.sync_steps, s.rounds, s.warmup_rounds, s.batch_size, s.seq_len = 3, 2, 5, 0, 2, 16
     s.merge.enabled = False

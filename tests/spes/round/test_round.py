@@ -9,9 +9,10 @@ from spes.errors import NodeStateError, NonFiniteLoss, QuorumError, UploadsRejec
 from spes.model.transformer import CausalLM
 from spes.round.aggregator import aggregate_round
 from spes.round.fetch import delta_files
-from spes.round.node import node_round, node_state_root
+from spes.round.node import NodeContext, node_round
 from spes.run.identity import InitModel, settings_fingerprint
 from spes.run.layout import MODEL_FILE
+from spes.run.local_runs import node_state_root
 from spes.run.node_state import NodeStateDir
 from spes.run.run import Run
 from spes.storage.store import Store
@@ -20,11 +21,11 @@ from spes.sync.codecs import make_codec
 from spes.sync.deltas import EXPERTS_FILE, SHARED_FILE, apply_delta
 from spes.sync.method import weighted_sum
 from spes.sync.methods import sync_method
-from tests.conftest import tiny_config
+from tests.conftest import tiny_params
 
 
 def make_params(tmp_path, name="s", **sync) -> Params:
-    p = Params(model=tiny_config(vocab_size=512))
+    p = tiny_params(vocab_size=512)
     s = p.spes
     s.num_nodes, s.sync_steps, s.rounds, s.warmup_rounds, s.batch_size, s.seq_len = 2, 2, 4, 2, 2, 16
     p.dense.seq_len = p.eval.seq_len = 16  # a valid params file (nodes of several ranks re-validate it)
@@ -260,11 +261,11 @@ def test_node_state_is_the_one_the_global_was_built_with(tmp_path, data):
     # its machine lost, node 0 may continue elsewhere from its latest checkpoint (round 2), saying so
     from spes.round.node import read_inputs
 
-    inputs = read_inputs(p, run.store, "r", 4, 0, from_checkpoint=True)
+    inputs = read_inputs(NodeContext.build(p, run.store, "r"), 4, 0, from_checkpoint=True)
     assert (inputs.state.round, inputs.state.digest) == (2, run.global_meta(2).node_states[0].digest)
     assert inputs.state.source.startswith(run.store.url) and inputs.prev_sha == \
         run.store.read_manifest(run.layout.global_dir(3))["files"][MODEL_FILE]["sha256"]  # the model: global 3
-    assert read_inputs(p, run.store, "r", 4, 1, from_checkpoint=True).state.round == 3  # node 1 has its own
+    assert read_inputs(NodeContext.build(p, run.store, "r"), 4, 1, from_checkpoint=True).state.round == 3  # node 1 has its own
     assert run.last_checkpointed_state(0, 1) == (0, None)  # before any checkpoint: a fresh state
     node_round(p, run.store, "r", 4, 0, data, from_checkpoint=True)
     assert run.store.exists(run.layout.node_dir(4, 0))
@@ -297,7 +298,7 @@ def test_loss_settings_come_from_the_runs_params_not_round_zeros_config(tmp_path
 def test_a_finished_run_keeps_on_the_node_machine_only_what_a_resume_needs(tmp_path, data):
     import os
 
-    from spes.round.node import forget_finished_run
+    from spes.run.local_runs import forget_finished_run
 
     p = make_params(tmp_path)
     p.spes.rounds = 2
@@ -354,7 +355,7 @@ def test_averaged_optimizer_state_is_the_weighted_mean_of_the_nodes_moments(tmp_
         assert torch.equal(t, weighted_sum([ups[0][k], ups[1][k]], [0.5, 0.5])), k
         assert not torch.equal(ups[0][k], ups[1][k])
     for i in (0, 1):
-        optim = read_inputs(p, run.store, "r", 2, i).state.optim
+        optim = read_inputs(NodeContext.build(p, run.store, "r"), 2, i).state.optim
         assert all(torch.equal(optim[k], mean[k]) for k in mean)
         assert any(".experts." in k for k in optim)  # its own experts keep their own moments
     plain = make_params(tmp_path, name="plain")

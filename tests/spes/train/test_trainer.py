@@ -133,6 +133,7 @@ def test_build_node_trainer_applies_micro_batches_and_checkpointing():
     assert tr.micro_batch_size == 2 and tr.model.activation_checkpointing
 
 
+@pytest.mark.slow  # torch.compile of two blocks: minutes on a loaded 2-core machine
 def test_compiled_blocks_train_like_eager_and_replay_exactly():
     """spes.compile: the compiled step tracks the eager one to rounding, and is itself deterministic, so a
     resumed compiled node (a fresh compile of the same blocks) gives the same bits."""

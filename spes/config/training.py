@@ -1,0 +1,181 @@
+"""The sections of training: the local optimizer, the `spes` section (method, schedule, node training, the
+outer optimizer, merging) and `sync` (what crosses the link)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from spes.config.choices import (
+    ACTIVATION_CHECKPOINTING,
+    AUTOCAST_DTYPES,
+    CODECS,
+    FROZEN_DTYPES,
+    METHODS,
+    NODE_PARALLEL,
+    SCHEDULES,
+    SHARED_OUTER,
+    need,
+)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    decay_norms: bool = False
+    """Apply weight decay to norm weights too (the reference decays every parameter); False = matrices only."""
+    schedule: str = "cosine"
+    """After the linear warm-up: 'cosine' (to lr * min_lr_ratio at the last step: every step's rate depends on
+    the total, so a longer run is another run) or 'wsd' (warm-up, stable, decay: lr until the last
+    `decay_fraction` of the steps, then linear to lr * min_lr_ratio; a run extended with more rounds keeps
+    its rounds of the stable phase)."""
+    decay_fraction: float = 0.2
+    """wsd: the share of the total steps over which the rate decays."""
+
+    def validate(self, key: str) -> None:
+        """`key`: where this optimizer sits (spes.optim, dense.optim)."""
+        o = self
+        need(o.schedule in SCHEDULES, f"{key}.schedule must be one of {'|'.join(SCHEDULES)}, got {o.schedule!r}")
+        need(0.0 < o.decay_fraction <= 1.0, f"{key}.decay_fraction must be in (0, 1], got {o.decay_fraction}")
+        need(o.lr > 0, f"{key}.lr must be > 0, got {o.lr}")
+        need(0.0 <= o.min_lr_ratio <= 1.0, f"{key}.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+        need(o.warmup_steps >= 0, f"{key}.warmup_steps must be >= 0, got {o.warmup_steps}")
+        need(o.weight_decay >= 0, f"{key}.weight_decay must be >= 0, got {o.weight_decay}")
+        need(0.0 <= o.beta1 < 1.0 and 0.0 <= o.beta2 < 1.0, f"{key}.beta1/beta2 must be in [0, 1)")
+        need(o.grad_clip >= 0, f"{key}.grad_clip must be >= 0 (0 = off), got {o.grad_clip}")
+
+
+@dataclass
+class MergeConfig:
+    """Expert-merging warm-up, applied by the aggregator at sync steps."""
+
+    enabled: bool = True
+    interval: int = 50
+    """Merge at sync steps where step % interval == 0."""
+    alpha_start: float = 0.05
+    decay_steps: int = 200
+    """alpha = alpha_start * (1 - step / decay_steps), clipped at 0."""
+    top_k: int = 4
+    """Donors per expert: the most cosine-similar other experts by gate weights."""
+
+    def validate(self) -> None:
+        need(self.interval >= 1 and self.decay_steps >= 1 and self.top_k >= 1,
+             "spes.merge.interval/decay_steps/top_k must be >= 1")
+        need(0.0 <= self.alpha_start <= 1.0, f"spes.merge.alpha_start must be in [0, 1], got {self.alpha_start}")
+
+
+@dataclass
+class SpesConfig:
+    method: str = "spes"
+    """'spes', 'diloco', 'fedavg', 'fedadam' (a server Adam step, Reddi et al. 2021) or 'centralized' (one node,
+    num_nodes x batch_size)."""
+    num_nodes: int = 2
+    ownership: Optional[list[list[int]]] = None
+    """Explicit expert ids per node; None = contiguous blocks."""
+    sync_steps: int = 50
+    warmup_rounds: int = 4
+    """Rounds run by the `warmup` stage (merging on); the `train` stage runs the rest."""
+    rounds: int = 10
+    """Total sync rounds."""
+    batch_size: int = 8
+    """Sequences per optimizer step on each node (split over its ranks and micro-batches)."""
+    micro_batch_size: Optional[int] = None
+    """Sequences per forward/backward pass; the step accumulates gradients over batch_size / (ranks x
+    micro_batch_size) of them. None = the whole per-rank batch at once. The load-balance loss is computed
+    per micro-batch and averaged (spes.model.losses.grouped_load_balance_loss), so the step's loss and gradients
+    do not depend on how the batch is split into ranks and micro-batches beyond that grouping."""
+    activation_checkpointing: str = "none"
+    """'none', or 'block': keep only each transformer block's input and recompute the rest in the backward
+    pass (less activation memory for about one more forward pass; the same numbers)."""
+    node_parallel: str = "ddp"
+    """How the ranks of a node (orchestration.gpus_per_node > 1) share its work: 'ddp' = each rank holds the
+    whole node (weights, gradients, AdamW state) and takes its share of every batch; 'fsdp' = the same data
+    parallel steps with weights, gradients and AdamW state sharded over the ranks (FSDP2, per block), frozen
+    experts included (spes/train/sharding.py). Equal results within fp32 rounding."""
+    compile: bool = False
+    """torch.compile each transformer block (first steps of each node process pay the compile time)."""
+    seq_len: int = 128
+    seed: int = 0
+    token_weighted: bool = False
+    """Weight the shared-parameter mean by tokens each node trained on."""
+    decayed_lb: bool = False
+    """Own-expert load-balance factor rising 0.7 -> 1.0 over the first 20% of steps."""
+    frozen_dtype: str = "float32"
+    """Storage dtype of frozen experts on a node ('float32' or 'bfloat16')."""
+    autocast: Optional[str] = None
+    """Mixed precision of the forward pass: None (fp32), 'bfloat16' or 'float16' (torch.autocast)."""
+    outer_lr: float = 0.7
+    """The outer (server) learning rate: DiLoCo's SGD (0.7), spes with shared_outer nesterov, FedAdam's Adam
+    (there about 1e-2..1e-1: Adam's steps are normalised, 0.7 is far too large)."""
+    outer_momentum: float = 0.9
+    """DiLoCo's outer momentum; FedAdam's beta1."""
+    outer_nesterov: bool = True
+    outer_beta2: float = 0.99
+    """FedAdam: the server Adam's beta2 (Reddi et al. 2021: 0.99)."""
+    outer_eps: float = 1e-3
+    """FedAdam: the server Adam's epsilon (Reddi et al.'s tau, 1e-3: bounds the step where beta2's average is tiny)."""
+    shared_outer: str = "average"
+    """spes only: how the nodes' deltas of the shared parameters become the global's change: 'average' (the
+    paper: their mean) or 'nesterov' (DiLoCo's outer SGD step on their mean, with outer_lr, outer_momentum and
+    outer_nesterov; experts still come from their owners)."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=0.002, warmup_steps=10))
+    merge: MergeConfig = field(default_factory=MergeConfig)
+
+    @property
+    def total_steps(self) -> int:
+        return self.rounds * self.sync_steps
+
+    def validate(self) -> None:
+        """This section's own invariants; those that involve the model or the node's ranks are Params'."""
+        s = self
+        need(s.method in METHODS, f"spes.method must be one of {METHODS}, got {s.method!r}")
+        need(s.num_nodes >= 1, "spes.num_nodes must be >= 1")
+        need(s.method == "spes" or s.ownership is None,
+             f"spes.ownership is only used by spes.method=spes (got method {s.method!r})")
+        need(s.sync_steps >= 1, "spes.sync_steps must be >= 1")
+        need(s.rounds >= 1, f"spes.rounds must be >= 1, got {s.rounds}")
+        need(0 <= s.warmup_rounds <= s.rounds, f"spes.warmup_rounds ({s.warmup_rounds}) must be in [0, spes.rounds={s.rounds}]")
+        need(s.batch_size >= 1, f"spes.batch_size must be >= 1, got {s.batch_size}")
+        need(s.node_parallel in NODE_PARALLEL, f"spes.node_parallel must be one of {'|'.join(NODE_PARALLEL)}, "
+                                               f"got {s.node_parallel!r}")
+        need(s.activation_checkpointing in ACTIVATION_CHECKPOINTING,
+             f"spes.activation_checkpointing must be {'|'.join(ACTIVATION_CHECKPOINTING)}, got {s.activation_checkpointing!r}")
+        s.optim.validate("spes.optim")
+        need(s.frozen_dtype in FROZEN_DTYPES, f"spes.frozen_dtype must be {'|'.join(FROZEN_DTYPES)}, got {s.frozen_dtype!r}")
+        need(s.autocast in AUTOCAST_DTYPES, f"spes.autocast must be null|bfloat16|float16, got {s.autocast!r}")
+        need(s.outer_lr > 0, f"spes.outer_lr must be > 0, got {s.outer_lr}")
+        need(0.0 <= s.outer_momentum < 1.0, f"spes.outer_momentum must be in [0, 1), got {s.outer_momentum}")
+        need(0.0 <= s.outer_beta2 < 1.0, f"spes.outer_beta2 must be in [0, 1), got {s.outer_beta2}")
+        need(s.outer_eps > 0, f"spes.outer_eps must be > 0, got {s.outer_eps}")
+        need(s.shared_outer in SHARED_OUTER, f"spes.shared_outer must be {'|'.join(SHARED_OUTER)}, got {s.shared_outer!r}")
+        need(s.shared_outer == "average" or s.method == "spes",
+             f"spes.shared_outer: nesterov is for spes.method spes (diloco always takes its outer step; "
+             f"{s.method} averages), got method {s.method!r}")
+        s.merge.validate()
+
+
+@dataclass
+class SyncConfig:
+    """What crosses the link at a sync (spes/sync/deltas.py, spes/sync/codecs.py)."""
+
+    codec: str = "fp32"
+    """Encoding of the deltas nodes upload and download: 'fp32' (exact), 'bf16', 'int8' (blockwise absmax)."""
+    error_feedback: bool = True
+    """With a lossy codec, keep each encoding's error and add it to the next round's delta (nodes keep theirs
+    in their local state, the aggregator its own beside the global model)."""
+    int8_block: int = 256
+    """Values per int8 scale (one fp32 scale per block)."""
+    average_optimizer_state: bool = False
+    """At each sync, nodes also upload their Adam moments (exp_avg, exp_avg_sq, fp32) of the averaged
+    parameters (SPES: the shared ones; the baselines: all), the aggregator averages them with the deltas'
+    weights into the global bundle, and every node continues from that mean (its step counts its own).
+    Costs twice those parameters' fp32 bytes up and down per round."""
+
+    def validate(self) -> None:
+        need(self.codec in CODECS, f"sync.codec must be one of {'|'.join(CODECS)}, got {self.codec!r}")
+        need(self.int8_block >= 1, f"sync.int8_block must be >= 1, got {self.int8_block}")
