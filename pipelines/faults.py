@@ -18,6 +18,8 @@ import tempfile
 import time
 from typing import Callable, Optional
 
+from spes.errors import ConfigError
+
 ENV = "SPES_FAULT_PLAN"
 
 
@@ -25,7 +27,7 @@ class FaultPlan:
     def __init__(self, plan: dict):
         unknown = set(plan) - {"kill", "slow", "corrupt", "dead"}
         if unknown:
-            raise ValueError(f"{ENV}: unknown fault kinds {sorted(unknown)} (known: kill, slow, corrupt, dead)")
+            raise ConfigError(f"{ENV}: unknown fault kinds {sorted(unknown)} (known: kill, slow, corrupt, dead)")
         self.plan = plan
 
     @classmethod
@@ -33,7 +35,7 @@ class FaultPlan:
         try:
             return cls(json.loads(os.environ.get(ENV, "") or "{}"))
         except json.JSONDecodeError as e:
-            raise ValueError(f"{ENV} is not valid JSON: {e}") from None
+            raise ConfigError(f"{ENV} is not valid JSON: {e}") from None
 
     def _applies(self, kind: str, run: str, r: int, node: int) -> Optional[dict]:
         f = self.plan.get(kind)

@@ -31,7 +31,7 @@ from prefect import flow, get_run_logger
 from pipelines.node_host import HOST_ENV, host_round
 from pipelines.request import NodeRequest
 from spes.config.loader import params_from_dict
-from spes.round.progress_line import parse_progress
+from spes.round.progress_line import relayed
 from spes.run.heartbeat import Heartbeat
 from spes.storage.files import FileStore
 
@@ -53,10 +53,10 @@ def spes_node(params: dict, run: str, r: int, node: int, tokens: Optional[str] =
             from prefect.runtime import flow_run
 
             def relay(line: str) -> None:  # to the Prefect log; its progress rides on the heartbeat
-                logger.info("node %d | %s", node, line)
-                step = parse_progress(line)
-                if step is not None:
-                    beat.progress = step[2] / step[3]
+                text, event = relayed(line)
+                logger.info("node %d | %s", node, text)
+                if event is not None:
+                    beat.progress = event.fraction
 
             key = str(flow_run.id)
             try:

@@ -19,6 +19,7 @@ import urllib.request
 from typing import Iterator
 
 from pipelines.node_pool import spawn
+from spes.errors import OrchestrationError
 
 TEMPORARY_API_ENV = "SPES_TEMPORARY_PREFECT_API"
 """Set while PREFECT_API_URL points at the temporary server started here (no other machine can reach it)."""
@@ -70,9 +71,9 @@ def prefect_api(startup_timeout_s: float = 180.0) -> Iterator[str]:
         deadline = time.time() + startup_timeout_s
         while not _healthy(url):
             if proc.poll() is not None:
-                raise RuntimeError(f"the local Prefect server exited with {proc.returncode} before it was ready")
+                raise OrchestrationError(f"the local Prefect server exited with {proc.returncode} before it was ready")
             if time.time() > deadline:
-                raise RuntimeError(f"the local Prefect server did not answer on {url} within {startup_timeout_s:.0f}s")
+                raise OrchestrationError(f"the local Prefect server did not answer on {url} within {startup_timeout_s:.0f}s")
             time.sleep(0.2)
         os.environ["PREFECT_API_URL"] = url
         os.environ[TEMPORARY_API_ENV] = url

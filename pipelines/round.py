@@ -22,19 +22,14 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.futures import wait
 
-from pipelines import stopping
-from pipelines.deployment_nodes import run_on_deployment
+from pipelines.executors import executor_for
 from pipelines.formatting import fmt_balance, fmt_bytes, fmt_experts, fmt_loss, fmt_seconds
-from pipelines.node_pool import POOL
-from pipelines.request import NodeRequest
 from pipelines.round_progress import RoundProgress
-from spes.config.loader import to_dict
 from spes.config.schema import Params
 from spes.errors import retryable
 from spes.round.aggregator import Aggregator
 from spes.round.driver import HeldOutProbe, round_members, run_round
 from spes.round.node import committed_report
-from spes.round.progress_line import parse_progress
 from spes.run.records import GlobalMeta, NodeReport, RoundRecord
 from spes.run.run import Run
 from spes.storage.store import Store
@@ -42,26 +37,6 @@ from spes.storage.store import Store
 
 def artifact_key(*parts: Any) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", "-".join(str(p) for p in parts).lower()).strip("-")
-
-
-# -- node executors ----------------------------------------------------------------------------------
-def _run_node_process(p: Params, run: str, r: int, node: int, timeout_s: float,
-                      checkpoint: bool) -> tuple[str, Optional[NodeReport]]:
-    """Run the round on the node's long-lived process, relaying its output to the Prefect log."""
-    logger = get_run_logger()
-    req = NodeRequest(to_dict(p), run, r, node, checkpoint)
-    progress = RoundProgress.of(run, r)
-
-    def relay(line: str) -> None:
-        logger.info("node %d | %s", node, line)
-        step = parse_progress(line)
-        if progress is not None and step is not None:
-            progress.node_done(node, step[2] / step[3])
-
-    status, report = POOL.get(node).run_round(req, timeout_s, relay, cancelled=stopping.STOPPING.is_set)
-    if status == "cancelled":
-        raise stopping.Stopped(f"node {node} round {r}: the orchestrator is stopping")
-    return status, report
 
 
 @task(task_run_name="node-{node}-round-{r}")
@@ -75,10 +50,7 @@ def node_task(p: Params, run: str, r: int, node: int, deadline: float, checkpoin
     remaining = deadline - time.time()
     if remaining <= 0:
         return NodeReport(node, "timeout")
-    if p.orchestration.executor == "deployment":
-        status, report = run_on_deployment(p, run, r, node, remaining, checkpoint, tokens_key)
-    else:
-        status, report = _run_node_process(p, run, r, node, remaining, checkpoint)
+    status, report = executor_for(p).run_node(p, run, r, node, remaining, checkpoint, tokens_key)
     if status != "ok":
         get_run_logger().warning("node %d missed the round %d deadline", node, r)
         return NodeReport(node, status)

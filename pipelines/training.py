@@ -8,7 +8,6 @@ A progress artifact for the run shows in the Prefect UI, beside each round's tab
 
 # No `from __future__ import annotations` here: Prefect's runner pickles a served flow by value, and
 # its parameter annotations must resolve as objects in the child process.
-import os
 import sys
 from typing import Optional, Union
 
@@ -16,25 +15,18 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.runtime import flow_run
 
-from pipelines.deployment_nodes import check_node_deployments
+from pipelines.executors import NodeExecutor, executor_for
 from pipelines.formatting import load_heatmap, sparkline
-from pipelines.node_pool import POOL
 from pipelines.round import artifact_key, round_task
 from spes.config.loader import load_params, to_dict
 from spes.config.schema import Params
-from spes.data.tokens import TokenData, check_vocab
-from spes.errors import IntegrityError, RecordError
+from spes.errors import ConfigError, IntegrityError, RecordError
 from spes.round.driver import checkpoint_due, resume_point, round_members
 from spes.run.identity import InitModel, fingerprinted, legacy_fingerprint, settings_fingerprint
-from spes.run.layout import tokens_dir
 from spes.run.lease import RunLease
-from spes.run.local_runs import node_state_root
-from spes.run.node_state import NodeStateDir
 from spes.run.records import RoundRecord
 from spes.run.run import Run
-from spes.run.token_share import publish_tokens
 from spes.storage.store import Store
-from spes.sync.methods import sync_method
 
 STAGES = ("warmup", "train", "all")
 
@@ -65,40 +57,18 @@ def spes_training(params_path: str = "params.yaml", overrides: Optional[list[str
     """Run rounds up to the stage's last round ('warmup' -> spes.warmup_rounds, 'train'/'all' -> spes.rounds),
     continuing after the latest committed round, or after round `resume_round` (later ones are set aside)."""
     if stage not in STAGES:
-        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+        raise ConfigError(f"stage must be one of {STAGES}, got {stage!r}")
     p = load_params(params_path, list(overrides or []) + ([f"orchestration.run_name={run_name}"] if run_name else []))
     run = p.orchestration.run_name
     if not run_name:
         _rename_flow_run(run, stage, resume_round)
-    store = Store.from_config(p.storage)
-    if p.orchestration.executor == "deployment":  # before the lease and any round: the API and each member's runner
-        check_node_deployments(p, _current_members(p, Run(store, run)))
+    store, executor = Store.from_config(p.storage), executor_for(p)
+    executor.prepare(p, Run(store, run), _current_members(p, Run(store, run)))  # before the lease and any round
     with RunLease(store, run, p.orchestration.lock_ttl_s) as lease:
         try:
-            return _run_rounds(p, Run(store, run), lease, stage, resume_round, init_path, on_mismatch)
+            return _run_rounds(p, executor, Run(store, run), lease, stage, resume_round, init_path, on_mismatch)
         finally:
-            POOL.close()
-
-
-def _publish_tokens(p: Params, store: Store) -> str:
-    """Deployment nodes on other machines read the token shards from shared storage."""
-    logger = get_run_logger()
-    secrets = sorted(set(p.storage.options) & {"key", "secret", "token", "password"})
-    if secrets:
-        logger.warning("storage.options %s go to every node as flow run parameters (stored by the Prefect "
-                       "server); prefer AWS_* environment variables on the node machines", secrets)
-    key = publish_tokens(store, os.path.join(p.artifacts_dir, "tokens"))
-    logger.info("token shards on shared storage: %s", tokens_dir(key))
-    return key
-
-
-def _local_state_checker(p: Params, run: Run):
-    """Process nodes keep their state on this machine: the flow can see which rounds they can resume from.
-    Deployment nodes keep theirs on their own machines (None: see Run.resumable_rounds)."""
-    if p.orchestration.executor != "process":
-        return None
-    run_id, root = run.info()["run_id"], node_state_root(p)
-    return lambda node, ref: NodeStateDir(root, run.store.url, run.name, run_id, node).has_state(ref)
+            executor.close()
 
 
 def _round_bar(run: str, stage: str, first: int, last: int):
@@ -145,26 +115,21 @@ def _current_members(p: Params, run: Run) -> Optional[list[int]]:
         return None
 
 
-def _run_rounds(p: Params, run: Run, lease: RunLease, stage: str, resume_round, init_path, on_mismatch) -> dict:
+def _run_rounds(p: Params, executor: NodeExecutor, run: Run, lease: RunLease, stage: str, resume_round, init_path,
+                on_mismatch) -> dict:
     """The flow's body, run while it holds the run's writer lease."""
     logger = get_run_logger()
-    if p.orchestration.executor == "process":
-        POOL.start(range(sync_method(p.spes).nodes))  # no-op for processes started before the flow (stages.rounds)
+    executor.start(p)
     on_mismatch = "restart" if p.orchestration.supersede else on_mismatch
     run.ensure(settings_fingerprint(p), InitModel.load(init_path) if init_path else None, on_mismatch,
                legacy=legacy_fingerprint(p), fresh=p.orchestration.fresh and stage != "train",
                settings=fingerprinted(to_dict(p)))
     # a damaged latest round is set aside (not a dead end); an extended wsd run keeps its stable rounds
-    first = resume_point(p, run, resume_round, _local_state_checker(p, run))
+    first = resume_point(p, run, resume_round, executor.local_state_checker(p, run))
     run.prune_superseded(p.storage.keep_superseded)
     run.check_global(first - 1)
     logger.info("run %s: starting at round %d", run.name, first)
-    tokens = os.path.join(p.artifacts_dir, "tokens")
-    tokens_key = None
-    if p.orchestration.executor == "deployment":
-        tokens_key = _publish_tokens(p, run.store)
-    elif os.path.exists(tokens):  # nodes here read these: refuse ids the model cannot embed before round 1
-        check_vocab(p.model.vocab_size, TokenData.open(tokens), tokens)
+    tokens_key = executor.share_tokens(p, run.store)
     last = p.spes.warmup_rounds if stage == "warmup" else p.spes.rounds
     progress = create_progress_artifact(progress=100.0 * (first - 1) / p.spes.rounds,
                                         key=artifact_key(run.name, "progress"),

@@ -72,6 +72,11 @@ class StoreUnavailable(StorageError):
     """Storage did not answer within its timeout, retries included."""
 
 
+class WriterMisuse(StorageError, ValueError):
+    """A tensor writer handed tensors other than the ones it announced (a caller's bug, caught before a
+    wrong file is committed)."""
+
+
 class UnsafePath(StorageError):
     """A path that would leave the store's root, or a name that is not safe as a path."""
 
@@ -123,6 +128,10 @@ class NodeStateError(ProtocolError):
 
 
 # -- a node's compute --------------------------------------------------------------------------------
+class OptimizerStateError(NodeStateError, ValueError):
+    """Optimizer state that does not fit the node's trainable parameters or experts."""
+
+
 class NodeError(SpesError, RuntimeError):
     """A node could not compute its round."""
 
@@ -150,3 +159,8 @@ def retryable(e: BaseException) -> bool:
     if isinstance(e, NodeFailed):
         return e.retryable
     return not isinstance(e, SpesError) or isinstance(e, StoreUnavailable)
+
+
+# -- orchestration -----------------------------------------------------------------------------------
+class OrchestrationError(SpesError, RuntimeError):
+    """The orchestrator's own services (the local Prefect server) failed to start or answer."""

@@ -20,20 +20,17 @@ def main() -> None:
 
     a, p = parse(__doc__, stages=("warmup", "train"))
     stage = a.stage
-    if p.orchestration.executor == "deployment" and not os.environ.get("PREFECT_API_URL"):
-        raise SystemExit("rounds: orchestration.executor is deployment, but PREFECT_API_URL is not set: node machines "
-                         "need a Prefect server they can reach (prefect server start --host 0.0.0.0; export "
-                         "PREFECT_API_URL=http://<this machine>:4200/api here and on every node machine)")
+    from pipelines.executors import executor_for
+
+    executor = executor_for(p)
+    executor.preflight(p)
     init = os.path.join(p.artifacts_dir, "init", "model.safetensors")
     if not os.path.exists(init):  # say so at once, not after the Prefect server and the nodes started
         raise SystemExit(f"rounds: {init} does not exist: run the earlier stages first (dvc repro upcycle)")
     prefect_env_defaults()
-    from pipelines.node_pool import POOL
     from pipelines.prefect_api import prefect_api
-    from spes.sync.methods import sync_method
 
-    if p.orchestration.executor == "process":
-        POOL.start(range(sync_method(p.spes).nodes))  # node processes start while the Prefect server does
+    executor.start(p)  # node processes start while the Prefect server does
     with prefect_api():  # PREFECT_API_URL, or a local server that dies with this process
         # prefect is imported only now: its settings are read at import, after PREFECT_API_URL is set
         from pipelines.stopping import stop_on_signals

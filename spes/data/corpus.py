@@ -23,7 +23,7 @@ from typing import Iterator, Optional
 
 import fsspec
 
-from spes.errors import CorpusError
+from spes.errors import CorpusError, DataError
 
 log = logging.getLogger("spes.data.corpus")
 
@@ -89,7 +89,7 @@ def _json_rows(f):
             try:
                 yield line_no, json.loads(line)
             except json.JSONDecodeError as e:  # a damaged file: skippable like an unreadable one
-                raise ValueError(f"line {line_no} is not JSON ({e.msg})") from None
+                raise DataError(f"line {line_no} is not JSON ({e.msg})") from None
 
 
 def _json_documents(f, text_field: str, where: str) -> Iterator[str]:

@@ -17,6 +17,7 @@ import math
 import numpy as np
 
 from spes.config.schema import DATA_ORDERS
+from spes.errors import DataError
 
 ORDERS = DATA_ORDERS
 _M1, _M2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9)
@@ -30,7 +31,7 @@ class WindowPermutation:
 
     def __init__(self, n: int, seed: int, epoch: int):
         if n < 1:
-            raise ValueError(f"permutation of {n} items")
+            raise DataError(f"permutation of {n} items")
         self.n = n
         self.half = max(1, math.ceil(math.log2(max(2, n)) / 2))
         self.mask = np.uint64((1 << self.half) - 1)
@@ -64,7 +65,7 @@ def epoch_window_starts(n_tokens: int, seq_len: int, seed: int, node: int, num_n
     n_windows = n_tokens // window
     per_node = n_windows // num_nodes
     if per_node < 1:
-        raise ValueError(f"{n_windows} windows of {window} tokens cannot be split over {num_nodes} nodes")
+        raise DataError(f"{n_windows} windows of {window} tokens cannot be split over {num_nodes} nodes")
     samples = np.arange(first_sample, first_sample + count, dtype=np.int64)
     epochs, within = samples // per_node, samples % per_node
     out = np.empty(count, dtype=np.int64)

@@ -13,6 +13,8 @@ from typing import Any, BinaryIO, Optional
 
 import numpy as np
 
+from spes.errors import ConfigError
+
 
 class ShardWriter:
     """Append token arrays to a split; a new shard starts when the current one holds `shard_tokens`.
@@ -20,7 +22,7 @@ class ShardWriter:
 
     def __init__(self, folder: str, split: str, dtype: np.dtype, shard_tokens: int):
         if shard_tokens < 1:
-            raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}")
+            raise ConfigError(f"shard_tokens must be >= 1, got {shard_tokens}")
         self.folder, self.split, self.dtype, self.shard_tokens = folder, split, np.dtype(dtype), shard_tokens
         self.shards: list[dict] = []
         self._f: Optional[BinaryIO] = None

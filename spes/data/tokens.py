@@ -80,7 +80,7 @@ class TokenData:
             with open(meta_path, "rb") as f:
                 meta = json.loads(f.read())
             if not isinstance(meta, dict):
-                raise ValueError("not a JSON object")
+                raise DataError("not a JSON object")
         except (ValueError, UnicodeDecodeError) as e:
             raise DataError(f"{meta_path}: not a token index ({e}); run the tokenize stage again") from None
         if meta.get("format") != FORMAT:

@@ -18,7 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from spes.config.loader import params_from_dict, to_dict
 from spes.config.schema import Params, check_name
-from spes.errors import ConfigError
+from spes.errors import ConfigError, DataError
 from spes.sync.methods import sync_method
 
 FIXED_PREFIXES = ("tokenize.", "init.", "dense.", "storage.", "artifacts_dir", "orchestration.run_name", "compare.",
@@ -128,7 +128,7 @@ def clustered_se(values: list[float], clusters: Optional[list[int]] = None) -> f
         return 0.0
     clusters = clusters if clusters is not None else list(range(n))
     if len(clusters) != n:
-        raise ValueError(f"{n} values but {len(clusters)} cluster labels")
+        raise DataError(f"{n} values but {len(clusters)} cluster labels")
     mean = statistics.fmean(values)
     sums: dict[int, float] = {}
     for v, g in zip(values, clusters):

@@ -5,6 +5,8 @@ from typing import Optional
 
 import torch
 
+from spes.errors import ConfigError
+
 
 def load_balance_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int,
                       expert_weight_E: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -102,5 +104,5 @@ def chunked_linear_cross_entropy(h_ND: torch.Tensor, w_VD: torch.Tensor, labels_
     path (F.cross_entropy on the full logits) within fp32 rounding, with peak memory for the loss of a
     chunk x V block instead of N x V (spes/train/plan.py counts it)."""
     if chunk < 1:
-        raise ValueError(f"loss chunk must be >= 1 tokens, got {chunk}")
+        raise ConfigError(f"loss chunk must be >= 1 tokens, got {chunk}")
     return _ChunkedLinearCE.apply(h_ND, w_VD, labels_N, chunk, ignore_index)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spes.config.schema import EXPERTS_IMPLS
+from spes.errors import ConfigError
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -52,7 +53,7 @@ def experts_impl(requested: str, x: torch.Tensor, w: torch.Tensor) -> str:
     """`requested` is ModelConfig.experts_impl: 'auto' = torch's grouped_mm where it has a kernel (CPU;
     CUDA bf16), else the Triton kernel on CUDA, else a loop over experts; anything else is used as given."""
     if requested not in EXPERTS_IMPLS:
-        raise ValueError(f"experts_impl must be one of {EXPERTS_IMPLS}, got {requested!r}")
+        raise ConfigError(f"experts_impl must be one of {EXPERTS_IMPLS}, got {requested!r}")
     if requested != "auto":
         return requested
     if _grouped_mm_ok(x, w):

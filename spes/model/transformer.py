@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from spes.config.schema import ModelConfig
+from spes.errors import ConfigError, ModelError
 from spes.model.losses import chunked_linear_cross_entropy, grouped_load_balance_loss, load_balance_loss, router_z_loss
 from spes.model.moe import MoE
 from spes.model.names import canonical_shapes, expert_tensor, is_chunk_param
@@ -187,7 +188,7 @@ class CausalLM(nn.Module):
         if routers:
             k = self.cfg.top_k
             if B % lb_groups:
-                raise ValueError(f"{B} sequences do not split into {lb_groups} load-balance groups")
+                raise ConfigError(f"{B} sequences do not split into {lb_groups} load-balance groups")
             out.lb = torch.stack([load_balance_loss(r.probs_TE, r.counts_E, k, lb_expert_weight_E) if lb_groups == 1
                                   else grouped_load_balance_loss(r.probs_TE, r.top_idx_TK, lb_groups, k,
                                                                  lb_expert_weight_E)
@@ -238,7 +239,7 @@ def check_canonical_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) ->
     missing = sorted(set(expected) - set(sd))
     unexpected = sorted(set(sd) - set(expected))
     if missing or unexpected:
-        raise KeyError(f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ModelError(f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     for name, shape in expected.items():
         if tuple(sd[name].shape) != shape:
-            raise ValueError(f"{name}: shape {tuple(sd[name].shape)} != model's {shape}")
+            raise ModelError(f"{name}: shape {tuple(sd[name].shape)} != model's {shape}")

@@ -28,7 +28,7 @@ from spes.errors import MembershipError, NonFiniteLoss, ProtocolError, StorageEr
 from spes.model.names import is_expert_param
 from spes.model.transformer import CausalLM
 from spes.round.fetch import fetch_global
-from spes.round.progress_line import progress_line
+from spes.round.progress_line import Progress
 from spes.run.layout import RunLayout
 from spes.run.local_runs import node_state_root, tidy_other_runs_once
 from spes.run.membership import membership_of
@@ -307,7 +307,7 @@ def commit(ctx: NodeContext, r: int, node: int, inputs: RoundInputs, t: Trained,
 
 
 def _log_progress(node: int, r: int, done: int, steps: int, loss: float, tokens: int, seconds: float) -> None:
-    log.info("%s", progress_line(node, r, done, steps, loss, tokens, seconds))
+    log.info("%s", Progress(node, r, done, steps, loss, tokens, seconds).line())
 
 
 def node_round(p: Params, store: Store, run: str, r: int, node: int, data: TokenData,

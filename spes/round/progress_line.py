@@ -1,23 +1,59 @@
-"""A node's progress line: written by the node every `orchestration.log_every_steps` steps, read back by whoever
-relays its output (the round's progress in the Prefect UI). No torch here: the relaying processes are light."""
+"""A node's progress, as an event: written by the node every `orchestration.log_every_steps` steps as one
+JSON line after a fixed marker, read back by whoever relays its output (the round's progress in the Prefect
+UI, the node's heartbeat), which renders it for people. The relays read fields, never wording: a change of
+the sentence cannot turn the UI's progress off. No torch here: the relaying processes are light.
+"""
 from __future__ import annotations
 
-import re
+import json
+from dataclasses import asdict, dataclass
 from typing import Optional
 
-PROGRESS_LINE = re.compile(r"node (\d+) round (\d+): step (\d+)/(\d+),")
+MARKER = "spes-event "
+"""What precedes the event's JSON on its line (log formatting may come before it)."""
 
 
-def progress_line(node: int, r: int, done: int, steps: int, loss: float, tokens: int, seconds: float) -> str:
-    left = seconds / done * (steps - done)
-    return (f"node {node} round {r}: step {done}/{steps}, loss {loss:.4f}, {tokens / max(seconds, 1e-9):.0f} "
-            f"tokens/s, {left:.0f} s left in the round")
+@dataclass(frozen=True)
+class Progress:
+    node: int
+    round: int
+    done: int
+    """Local steps done this round."""
+    steps: int
+    loss: float
+    tokens: int
+    seconds: float
+
+    @property
+    def fraction(self) -> float:
+        return self.done / self.steps
+
+    def line(self) -> str:
+        """The event as the node writes it."""
+        return MARKER + json.dumps({"event": "progress", **asdict(self)}, sort_keys=True)
+
+    def sentence(self) -> str:
+        """The event for people (the relays log this)."""
+        left = self.seconds / max(self.done, 1) * (self.steps - self.done)
+        return (f"node {self.node} round {self.round}: step {self.done}/{self.steps}, loss {self.loss:.4f}, "
+                f"{self.tokens / max(self.seconds, 1e-9):.0f} tokens/s, {left:.0f} s left in the round")
 
 
-def parse_progress(line: str) -> Optional[tuple[int, int, int, int]]:
-    """(node, round, steps done, steps) of a node's progress line, else None."""
-    m = PROGRESS_LINE.search(line)
-    if not m:
+def parse_progress(line: str) -> Optional[Progress]:
+    """The progress event on a line of a node's output, else None (any other line, or a damaged event)."""
+    at = line.find(MARKER)
+    if at < 0:
         return None
-    node, rnd, done, steps = (int(g) for g in m.groups())
-    return node, rnd, done, steps
+    try:
+        d = json.loads(line[at + len(MARKER):])
+        if d.pop("event") != "progress":
+            return None
+        return Progress(**d)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def relayed(line: str) -> tuple[str, Optional[Progress]]:
+    """What a relay logs for a line of a node's output (an event's sentence, else the line) and its event."""
+    event = parse_progress(line)
+    return (event.sentence() if event is not None else line), event

@@ -21,7 +21,7 @@ from typing import Optional
 
 import psutil
 
-from spes.errors import RunLocked, StorageError
+from spes.errors import ConfigError, RunLocked, StorageError
 from spes.run.layout import RunLayout
 from spes.storage.store import Store
 
@@ -60,7 +60,7 @@ class WriterLease:
 
     def __init__(self, store: Store, run: str, ttl_s: float):
         if not ttl_s > 0:
-            raise ValueError(f"lease ttl must be > 0 seconds, got {ttl_s}")
+            raise ConfigError(f"lease ttl must be > 0 seconds, got {ttl_s}")
         self.store, self.layout, self.ttl_s = store, RunLayout(run), ttl_s
         self.gen: Optional[int] = None
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"

@@ -18,7 +18,7 @@ from typing import Any, BinaryIO, Iterable, Optional
 
 import torch
 
-from spes.errors import IntegrityError
+from spes.errors import IntegrityError, WriterMisuse
 
 DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
           torch.int8: "I8", torch.uint8: "U8", torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL"}
@@ -91,13 +91,13 @@ class TensorWriter:
     def write(self, name: str, t: torch.Tensor) -> None:
         want = self.specs[self.i]
         if spec_of(name, t) != want:
-            raise ValueError(f"tensor writer: got {spec_of(name, t)}, expected {want} next")
+            raise WriterMisuse(f"tensor writer: got {spec_of(name, t)}, expected {want} next")
         self._put(_raw(t))
         self.i += 1
 
     def close(self) -> tuple[str, int]:
         if self.i != len(self.specs):
-            raise ValueError(f"tensor writer: {len(self.specs) - self.i} tensors not written")
+            raise WriterMisuse(f"tensor writer: {len(self.specs) - self.i} tensors not written")
         return self.h.hexdigest(), self.n
 
 

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from spes.errors import OptimizerStateError
 from spes.sync.deltas import MOMENT_KINDS
 
 _RANGED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.(?:gate_up_proj|down_proj))\[(\d+):(\d+)\]$")
@@ -78,7 +79,7 @@ def chunk_state(tensors: dict[str, torch.Tensor], canonical: str, start: int,
     if not pieces:
         return None
     if missing or len(steps) > 1:
-        raise ValueError(f"optimizer state of {canonical}[{start}:{end}]: experts {missing} have none"
+        raise OptimizerStateError(f"optimizer state of {canonical}[{start}:{end}]: experts {missing} have none"
                          if missing else f"optimizer state of {canonical}[{start}:{end}]: step counts {sorted(steps)}")
     out = {"step": torch.tensor([steps.pop()], dtype=torch.float64)}
     for kind in MOMENT_KINDS:

@@ -182,7 +182,7 @@ def plan_node(cfg: ModelConfig, s: SpesConfig, node: int, ranks: int = 1, parall
 def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?i?B?)?\s*", text, re.IGNORECASE)
     if not m:
-        raise ValueError(f"not a size: {text!r} (e.g. 48GiB, 80GB)")
+        raise ConfigError(f"not a size: {text!r} (e.g. 48GiB, 80GB)")
     unit = (m.group(2) or "").upper().rstrip("B")
     scale = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
     return int(float(m.group(1)) * scale)

@@ -16,6 +16,7 @@ from typing import Iterable, Optional, cast
 import torch
 
 from spes.config.schema import OptimConfig, SpesConfig
+from spes.errors import ConfigError, OptimizerStateError
 from spes.model.losses import decayed_lb_factor
 from spes.model.moe import ExpertChunk, MoE
 from spes.model.transformer import CausalLM, ModelOutput
@@ -128,7 +129,7 @@ class NodeTrainer:
         B = input_ids_BS.shape[0]
         mb = self.micro_batch_size or B
         if B % mb:
-            raise ValueError(f"a batch of {B} sequences does not split into micro-batches of {mb}")
+            raise ConfigError(f"a batch of {B} sequences does not split into micro-batches of {mb}")
         k = B // mb
         lb_weight = self._lb_expert_weight(step)
         self.optimizer.zero_grad(set_to_none=True)
@@ -226,7 +227,7 @@ class NodeTrainer:
         if (plain and plain != shared) or (legacy and legacy != set(names) - shared):
             have = plain | legacy
             want = shared | (set(names) - shared if legacy else set())
-            raise ValueError(f"optimizer state does not match this node's trainable parameters: "
+            raise OptimizerStateError(f"optimizer state does not match this node's trainable parameters: "
                              f"extra {sorted(have - want)[:3]}, missing {sorted(want - have)[:3]}")
         out = {}
         for n in names:

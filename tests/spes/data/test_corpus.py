@@ -48,7 +48,7 @@ def test_an_unreadable_file_in_the_middle_is_named_or_skipped_and_counted(tmp_pa
     (tmp_path / "3.jsonl").write_text('{"text": "ok"}\n{"text": broken\n')
     with pytest.raises(CorpusError, match=r"cannot read corpus file .*1.txt: UnicodeDecodeError.*skip_bad_files"):
         docs_of(corpus=f"{tmp_path}/*.txt")
-    with pytest.raises(CorpusError, match=r"cannot read corpus file .*3.jsonl: ValueError: line 2 is not JSON"):
+    with pytest.raises(CorpusError, match=r"cannot read corpus file .*3.jsonl: DataError: line 2 is not JSON"):
         docs_of(corpus=f"{tmp_path}/3.jsonl")
     docs, stats = docs_of(corpus=f"{tmp_path}/*.txt,{tmp_path}/*.jsonl", skip_bad_files=True)
     assert docs == ["good one", "good two", "ok"]

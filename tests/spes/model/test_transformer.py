@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from spes.errors import ModelError
 from spes.model.names import canonical_shapes
 from spes.model.transformer import CausalLM
 from tests.conftest import tiny_config
@@ -19,7 +20,7 @@ def test_load_canonical_state_dict_names_what_is_wrong():
     model = CausalLM(tiny_config())
     sd = {k: v.clone() for k, v in model.canonical_state_dict().items()}
     sd.pop("lm_head.weight")
-    with pytest.raises(KeyError, match="missing.*lm_head.weight"):
+    with pytest.raises(ModelError, match="missing.*lm_head.weight"):
         model.load_canonical_state_dict(sd)
     sd = {k: v.clone() for k, v in model.canonical_state_dict().items()}
     sd["model.norm.weight"] = torch.ones(3)
