@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.cleanup import exit_on_termination  # noqa: E402
 from spes.config.schema import MergeConfig, ModelConfig, Params, SpesConfig  # noqa: E402
 from spes.data.shards import ShardWriter  # noqa: E402
 from spes.data.tokens import TokenData, write_index  # noqa: E402
@@ -187,6 +188,7 @@ def main():
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
+    exit_on_termination()  # a kill still runs the finally below
     root = tempfile.mkdtemp(prefix="spes-bench-")
     try:
         data = synthetic_tokens(os.path.join(root, "tokens"), 8192)

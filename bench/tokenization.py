@@ -24,6 +24,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.cleanup import exit_on_termination  # noqa: E402
 from spes.data.tokenization import BATCH_CHARS, train_bpe  # noqa: E402
 
 FILE_MB = 64
@@ -116,6 +117,7 @@ def main():
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    exit_on_termination()  # a kill still runs the finally below
     root = tempfile.mkdtemp(prefix="spes-tok-bench-")
     try:
         texts = stdlib_texts()

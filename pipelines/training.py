@@ -128,9 +128,13 @@ def _run_rounds(p: Params, executor: NodeExecutor, run: Run, lease: RunLease, st
     first = resume_point(p, run, resume_round, executor.local_state_checker(p, run))
     run.prune_superseded(p.storage.keep_superseded)
     run.check_global(first - 1)
-    logger.info("run %s: starting at round %d", run.name, first)
-    tokens_key = executor.share_tokens(p, run.store)
     last = p.spes.warmup_rounds if stage == "warmup" else p.spes.rounds
+    if first > last:  # e.g. resume_round=latest on a finished run: say so rather than "starting at round 11"
+        logger.info("run %s: nothing to do: rounds 1-%d of the %s stage are committed (round %d is the latest)",
+                    run.name, last, stage, first - 1)
+    else:
+        logger.info("run %s: starting at round %d of %d", run.name, first, last)
+    tokens_key = executor.share_tokens(p, run.store) if first <= last else None
     progress = create_progress_artifact(progress=100.0 * (first - 1) / p.spes.rounds,
                                         key=artifact_key(run.name, "progress"),
                                         description=f"rounds committed of {p.spes.rounds}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 
 from spes.config.loader import load_params
-from spes.errors import ConfigError, MembershipError, StorageError
+from spes.errors import MembershipError, SpesError
 from spes.run.membership import latest_membership, request
 from spes.storage.store import Store
 from spes.sync.methods import sync_method
@@ -47,11 +47,11 @@ def main(argv=None) -> None:
         if a.node is None:
             raise MembershipError(f"{a.action} needs --node")
         cap = None
-        if a.gpu_mem and a.action == "join":
-            cap = max_experts_fitting(p.model, p.spes, parse_bytes(a.gpu_mem), p.orchestration.gpus_per_node,
+        if a.gpu_mem is not None and a.action == "join":
+            cap = max_experts_fitting(p.model, p.spes, parse_bytes(a.gpu_mem, "--gpu-mem"), p.orchestration.gpus_per_node,
                                       f"node {a.node}")
-        request(store, run, method, a.action, a.node, cap)
-    except (ConfigError, MembershipError, StorageError, ValueError) as e:
+        request(store, run, method, a.action, a.node, cap, p.orchestration.min_nodes)
+    except (SpesError, ValueError) as e:  # any error on purpose (a damaged record too): one line
         raise SystemExit(f"error: {e}")
     print(f"run {run}: node {a.node} will {a.action} at the next round boundary"
           + (f" (owning at most {cap} experts per layer)" if cap is not None else ""))

@@ -46,7 +46,8 @@ class OptimConfig:
         need(0.0 <= o.min_lr_ratio <= 1.0, f"{key}.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
         need(o.warmup_steps >= 0, f"{key}.warmup_steps must be >= 0, got {o.warmup_steps}")
         need(o.weight_decay >= 0, f"{key}.weight_decay must be >= 0, got {o.weight_decay}")
-        need(0.0 <= o.beta1 < 1.0 and 0.0 <= o.beta2 < 1.0, f"{key}.beta1/beta2 must be in [0, 1)")
+        need(0.0 <= o.beta1 < 1.0, f"{key}.beta1 must be in [0, 1), got {o.beta1}")
+        need(0.0 <= o.beta2 < 1.0, f"{key}.beta2 must be in [0, 1), got {o.beta2}")
         need(o.grad_clip >= 0, f"{key}.grad_clip must be >= 0 (0 = off), got {o.grad_clip}")
 
 

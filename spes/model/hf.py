@@ -79,10 +79,12 @@ def export_hf(model: CausalLM, out_dir: str, tokenizer=None, arch: Optional[str]
     go into the model's config and generation config, so `generate()` stops at the end of a document."""
     hf = to_hf(model, arch)
     if tokenizer is not None:
+        if getattr(tokenizer, "pad_token_id", None) is None and tokenizer.eos_token is not None:
+            # no pad token: pad with EOS, as causal LMs usually do, and say so in the exported tokenizer too
+            # (its pad_token_id agrees with the model's and the generation config's)
+            tokenizer.pad_token = tokenizer.eos_token
         for attr in ("eos_token_id", "bos_token_id", "pad_token_id"):
             value = getattr(tokenizer, attr, None)
-            if attr == "pad_token_id" and value is None:
-                value = tokenizer.eos_token_id  # no pad token: pad with EOS, as causal LMs usually do
             setattr(hf.config, attr, value)
             if getattr(hf, "generation_config", None) is not None:
                 setattr(hf.generation_config, attr, value)

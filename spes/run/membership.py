@@ -105,10 +105,12 @@ def latest_membership(store: Store, run: str, method: SyncMethod) -> tuple[int, 
 
 
 def request(store: Store, run: str, method: SyncMethod, kind: str, node: int,
-            max_experts: Optional[int] = None) -> Request:
+            max_experts: Optional[int] = None, min_nodes: Optional[int] = None) -> Request:
     """Ask for `node` to join or leave run `run` at its next round boundary, after checking it against the
     latest committed membership: a join of an id in use, a leave of a node that is not a member or of the
-    last one, a second request of the same kind for the same node, are refused (nothing written)."""
+    last one, a leave that would leave fewer members than the quorum `min_nodes` (orchestration.min_nodes:
+    a quorum is never lowered by a leave), a second request of the same kind for the same node, are refused
+    (nothing written)."""
     layout = RunLayout(run)
     if kind not in KINDS:
         raise MembershipError(f"a membership request is one of {KINDS}, got {kind!r}")
@@ -124,6 +126,10 @@ def request(store: Store, run: str, method: SyncMethod, kind: str, node: int,
         raise MembershipError(f"node {node} is not a member of run {run!r} (members after round {r}: {mem.members})")
     if kind == "leave" and members == {node}:
         raise MembershipError(f"node {node} is the last member of run {run!r}: its experts would have no owner")
+    if kind == "leave" and min_nodes is not None and len(members - {node}) < min_nodes:
+        raise MembershipError(f"node {node} leaving run {run!r} would leave {len(members - {node})} members, below "
+                              f"orchestration.min_nodes={min_nodes}: every later round would miss its quorum "
+                              "(lower orchestration.min_nodes first)")
     old = known.get((kind, node))
     if old is not None:
         if old.at_round is None:

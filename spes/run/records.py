@@ -95,7 +95,13 @@ class Record:
         version = kwargs.get("version", 0)
         if version > RECORD_VERSION:
             raise RecordError(f"{where}: record version {version} is newer than this code's ({RECORD_VERSION})")
-        return cls(**kwargs)
+        record = cls(**kwargs)
+        record.check(where)
+        return record
+
+    def check(self, where: str) -> None:
+        """What must hold of the record as a whole (fields that must agree), beyond each field's type: a
+        RecordError naming `where`. Nothing by default."""
 
 
 @dataclass(frozen=True)
@@ -212,6 +218,23 @@ class Membership(Record):
     def members(self) -> list[int]:
         return sorted(self.owners)
 
+    def check_experts(self, num_experts: int, where: str) -> None:
+        """Every expert has exactly one owner among the members (SPES), or every member owns them all (the
+        baselines); every member has a data slot. A record edited or damaged otherwise would train on silently."""
+        every = list(range(num_experts))
+        owned = sorted(e for experts in self.owners.values() for e in experts)
+        if not self.owners:
+            raise RecordError(f"{where}: the membership has no members")
+        if owned != every and any(sorted(experts) != every for experts in self.owners.values()):
+            twice = sorted({e for e in owned if owned.count(e) > 1})
+            none = sorted(set(every) - set(owned))
+            odd = sorted(set(owned) - set(every))
+            raise RecordError(f"{where}: the membership does not give each of the {num_experts} experts one owner "
+                              f"(owned twice: {twice}, by nobody: {none}, not an expert: {odd}); the global is damaged")
+        slotless = sorted(set(self.owners) - set(self.slots))
+        if slotless:
+            raise RecordError(f"{where}: the membership gives members {slotless} no data slot; the global is damaged")
+
 
 @dataclass
 class GlobalMeta(Record):
@@ -241,6 +264,10 @@ class GlobalMeta(Record):
     membership_changes: list[str] = field(default_factory=list)
     """What changed at this global (a node left, was evicted or joined; which experts moved), for people."""
     version: int = RECORD_VERSION
+
+    def check(self, where: str) -> None:
+        if self.membership is not None:
+            self.membership.check_experts(int(self.model_config.get("num_experts", 0) or 0), where)
 
 
 @dataclass

@@ -179,13 +179,21 @@ def plan_node(cfg: ModelConfig, s: SpesConfig, node: int, ranks: int = 1, parall
     return m
 
 
-def parse_bytes(text: str) -> int:
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?i?B?)?\s*", text, re.IGNORECASE)
+SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(i)?)?B?\s*", re.IGNORECASE)
+"""A size: a number, then optionally K/M/G/T (decimal) or Ki/Mi/Gi/Ti (binary), then optionally B."""
+
+
+def parse_bytes(text: str, flag: str = "size") -> int:
+    """Bytes of a size such as 48GiB or 80GB; a ConfigError naming `flag` (the option it came from) otherwise."""
+    m = SIZE.fullmatch(text or "")
     if not m:
-        raise ConfigError(f"not a size: {text!r} (e.g. 48GiB, 80GB)")
-    unit = (m.group(2) or "").upper().rstrip("B")
-    scale = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
-    return int(float(m.group(1)) * scale)
+        raise ConfigError(f"{flag}: not a size: {text!r} (a positive number with an optional unit: 48GiB, 80GB, 512MiB)")
+    unit, binary = (m.group(2) or "").upper(), bool(m.group(3))
+    power = "KMGT".index(unit) + 1 if unit else 0
+    value = int(float(m.group(1)) * ((2**10 if binary else 1000) ** power))
+    if value <= 0:
+        raise ConfigError(f"{flag}: a size must be above 0 bytes, got {text!r}")
+    return value
 
 
 def _gib(b: int) -> str:
@@ -267,7 +275,7 @@ def budget_bytes(budget: Optional[str], variants: dict) -> Optional[int]:
     if budget in variants:
         return node_peak_state(variants[budget])
     try:
-        return parse_bytes(budget)
+        return parse_bytes(budget, "compare.node_memory")
     except ValueError:
         raise ConfigError(f"compare.node_memory must be a variant ({sorted(variants)}) or a size like 40MiB, "
                           f"got {budget!r}") from None
@@ -342,12 +350,12 @@ def main() -> None:
     ap.add_argument("--nodes", default=None,
                     help="memory of each node's GPU, e.g. 24GiB,48GiB,80GiB: plan how many experts each owns")
     ap.add_argument("overrides", nargs="*")
-    a = ap.parse_args()
+    a = ap.parse_intermixed_args()  # overrides anywhere on the line
     try:
         p = load_params(a.params, a.overrides)
-        gpu_mem = parse_bytes(a.gpu_mem) if a.gpu_mem else None
+        gpu_mem = parse_bytes(a.gpu_mem, "--gpu-mem") if a.gpu_mem is not None else None
         if a.nodes:
-            cp = capacity_plan(p.model, p.spes, [parse_bytes(x) for x in a.nodes.split(",")],
+            cp = capacity_plan(p.model, p.spes, [parse_bytes(x, "--nodes") for x in a.nodes.split(",")],
                                p.orchestration.gpus_per_node)
     except (ConfigError, ValueError) as e:
         raise SystemExit(f"config error: {e}")

@@ -56,9 +56,10 @@ def _check_round_progress(run: str, r: int) -> None:
     assert found and float(found[0].data) == 100.0, found
 
 
-def test_resume_from_a_checkpoint_round_equals_uninterrupted(project, reference):
+def test_resume_from_a_checkpoint_round_equals_uninterrupted(project, reference, caplog):
     """The warmup stage's last round is a checkpoint round: node states on shared storage. With the nodes'
-    own folders gone (a new machine), the run resumes from it, bit for bit."""
+    own folders gone (a new machine), the run resumes from it, bit for bit; resumed once more when finished,
+    it says there is nothing to do."""
     pfile = params_file(project)
     init_run(pfile, "resumed")
     assert train(pfile, "resumed", stage="warmup")["latest_committed"] == 2
@@ -68,6 +69,11 @@ def test_resume_from_a_checkpoint_round_equals_uninterrupted(project, reference)
     assert_same(final_weights(pfile, "resumed"), reference)
     with pytest.raises(ProtocolError, match=r"round 1 is not resumable.*\(resumable: \[0, 2, 3\]\)"):
         train(pfile, "resumed", resume_round=1)
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        again = train(pfile, "resumed", stage="train", resume_round="latest")
+    assert again["rounds_run"] == [] and again["latest_committed"] == out["latest_committed"]
+    assert "nothing to do: rounds 1-" in caplog.text and "starting at round" not in caplog.text
 
 
 def test_resume_from_a_local_state_round_equals_uninterrupted(project, reference):

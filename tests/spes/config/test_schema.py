@@ -21,6 +21,8 @@ def test_a_params_built_in_code_is_checked_when_built():
         Params(spes=SpesConfig(method="fedsgd"))
     with pytest.raises(ConfigError, match=r"spes\.optim\.lr must be > 0"):
         Params(spes=SpesConfig(optim=OptimConfig(lr=0.0)))
+    with pytest.raises(ConfigError, match=r"^dense\.optim\.beta2 must be in \[0, 1\), got 1\.0$"):  # the key that is wrong
+        Params(dense=dataclasses.replace(Params().dense, optim=OptimConfig(beta2=1.0)))
 
 
 def test_the_same_check_holds_on_every_path():

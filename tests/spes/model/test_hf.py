@@ -84,6 +84,8 @@ def test_the_export_stops_generating_at_the_tokenizers_eos(tmp_path, tiny_tokens
     export_hf(model, str(tmp_path / "hf"), tok)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
     assert hf.config.eos_token_id == hf.generation_config.eos_token_id == tok.eos_token_id
+    saved = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert saved.pad_token_id == hf.config.pad_token_id == hf.generation_config.pad_token_id == 0  # pads with EOS
     x = torch.tensor([[5, 6, 7]])
     out = hf.generate(x, max_new_tokens=20, do_sample=False)
     assert out.shape[1] == 4 and out[0, -1].item() == tok.eos_token_id  # stopped at EOS, not after 20

@@ -112,7 +112,11 @@ def test_requests_that_cannot_be_are_refused_with_nothing_written(tmp_path, data
     with pytest.raises(MembershipError, match="node 5 is not a member of run 'r'"):
         request(run.store, "r", method, "leave", 5)
     assert run.store.list_names(run.layout.membership_dir) == []
-    request(run.store, "r", method, "leave", 0)
+    with pytest.raises(MembershipError, match=r"node 0 leaving run 'r' would leave 2 members, below "
+                                              r"orchestration.min_nodes=3"):  # never lowers the quorum silently
+        request(run.store, "r", method, "leave", 0, min_nodes=3)
+    assert run.store.list_names(run.layout.membership_dir) == []
+    request(run.store, "r", method, "leave", 0, min_nodes=2)
     with pytest.raises(MembershipError, match="a leave request of run 'r' is already pending"):
         request(run.store, "r", method, "leave", 0)
     request(run.store, "r", method, "leave", 1)

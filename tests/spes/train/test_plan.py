@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from spes.config.schema import ModelConfig, SpesConfig
+from spes.errors import ConfigError
 from spes.model.names import canonical_shapes
 from spes.model.transformer import CausalLM
 from spes.train.plan import (
@@ -78,6 +79,14 @@ def test_plan_of_a_node_and_its_report():
     assert parse_bytes("48GiB") == 48 * 2**30 and parse_bytes("80 GB") == 80 * 10**9
     with pytest.raises(ValueError, match="not a size"):
         parse_bytes("lots")
+    assert parse_bytes("1.5MiB") == 3 * 2**19 and parse_bytes("512b") == 512 and parse_bytes("2k") == 2000
+
+
+@pytest.mark.parametrize("text", ["48iB", "1.2.3GiB", "", "  ", "GiB", "-8GiB", "0GiB", "8 GiBs"])
+def test_a_bad_size_is_one_line_naming_the_flag(text):
+    with pytest.raises(ConfigError, match=r"^--gpu-mem: (not a size|a size must be above 0)") as e:
+        parse_bytes(text, "--gpu-mem")
+    assert "\n" not in str(e.value)
 
 
 def test_the_chunked_loss_plan_drops_the_logits():
