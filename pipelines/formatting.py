@@ -52,7 +52,8 @@ def load_balance(counts_LE: list[list[int]]) -> list[float]:
 
 
 def fmt_balance(counts_LE: list[list[int]]) -> str:
-    return " ".join(f"{b:.2f}" for b in load_balance(counts_LE)) if counts_LE else "-"
+    """'L0 1.47 · L1 1.68': each layer's max/mean expert load, labelled by layer."""
+    return " · ".join(f"L{i} {b:.2f}" for i, b in enumerate(load_balance(counts_LE))) if counts_LE else "-"
 
 
 BLOCKS = "▁▂▃▄▅▆▇█"
@@ -74,16 +75,22 @@ def load_heatmap(counts_by_node: dict[int, list[list[int]]]) -> str:
     first (is the routing collapsing?)."""
     if not counts_by_node:
         return "no expert load recorded"
-    layers = len(next(iter(counts_by_node.values())))
+    first = next(iter(counts_by_node.values()))
+    layers, experts = len(first), len(first[0]) if first else 0
+    width = max(2, len(str(max(experts - 1, 0))))
+    header = (f"{'expert':<{len('node ') + len(str(max(counts_by_node)))}} |"
+              + "".join(f"{e:>{width}}" for e in range(experts)) + "| "
+              + " ".join(f"{'e' + str(e):>4}" for e in range(experts)) + "  (% of the node's routed rows)")
     out = []
     for layer in range(layers):
         out.append(f"layer {layer}:\n```")
+        out.append(header)
         for node, counts in sorted(counts_by_node.items()):
             row = counts[layer]
             total = sum(row) or 1
             shares = [c / total for c in row]
             top = max(shares) or 1.0
-            cells = "".join(SHADES[min(len(SHADES) - 1, round(s / top * (len(SHADES) - 1)))] * 2 for s in shares)
+            cells = "".join(SHADES[min(len(SHADES) - 1, round(s / top * (len(SHADES) - 1)))] * width for s in shares)
             out.append(f"node {node} |{cells}| " + " ".join(f"{100 * s:4.1f}" for s in shares))
         out.append("```")
     return "\n".join(out)

@@ -15,7 +15,7 @@ def test_expert_load_balance_per_layer():
     counts = [[10, 10, 10, 10], [40, 0, 0, 0], [0, 0, 0, 0]]
     b = load_balance(counts)
     assert b[:2] == [1.0, 4.0] and math.isnan(b[2])
-    assert fmt_balance(counts[:2]) == "1.00 4.00" and fmt_balance([]) == "-"
+    assert fmt_balance(counts[:2]) == "L0 1.00 · L1 4.00" and fmt_balance([]) == "-"  # labelled by layer
 
 
 def test_sparkline_and_expert_load_heatmap():
@@ -24,7 +24,9 @@ def test_sparkline_and_expert_load_heatmap():
     assert sparkline([5.2, 5.0, 4.7, 4.5, 4.4, 4.35, 4.3]) == "█▇▄▂▁▁▁" and sparkline([]) == ""
     assert sparkline([1.0, 1.0]) == "▁▁"
     md = load_heatmap({0: [[10, 20, 30, 40]], 1: [[25, 25, 25, 25]]})
-    assert md.splitlines() == ["layer 0:", "```", "node 0 |░░▒▒▓▓██| 10.0 20.0 30.0 40.0",
+    assert md.splitlines() == ["layer 0:", "```",
+                               "expert | 0 1 2 3|   e0   e1   e2   e3  (% of the node's routed rows)",
+                               "node 0 |░░▒▒▓▓██| 10.0 20.0 30.0 40.0",
                                "node 1 |████████| 25.0 25.0 25.0 25.0", "```"]
     assert load_heatmap({}) == "no expert load recorded"
 
