@@ -22,6 +22,7 @@ from spes.config.loader import load_params, to_dict
 from spes.config.schema import Params
 from spes.errors import ConfigError, IntegrityError, RecordError
 from spes.round.driver import checkpoint_due, resume_point, round_members
+from spes.run.board import RunBoard, board_dir
 from spes.run.identity import InitModel, fingerprinted, legacy_fingerprint, settings_fingerprint
 from spes.run.lease import RunLease
 from spes.run.records import RoundRecord
@@ -139,6 +140,7 @@ def _run_rounds(p: Params, executor: NodeExecutor, run: Run, lease: RunLease, st
                                         key=artifact_key(run.name, "progress"),
                                         description=f"rounds committed of {p.spes.rounds}")
     curve = HeldOutCurve(run, first)
+    board = RunBoard(p, run.name, curve.tokens) if board_dir(p, run.name) and first <= last else None
     rounds = []
     bar = _round_bar(run.name, stage, first, last)
     for r in range(first, last + 1):
@@ -152,6 +154,8 @@ def _run_rounds(p: Params, executor: NodeExecutor, run: Run, lease: RunLease, st
         if bar is not None:
             bar.set_postfix(heldout=f"{rec.heldout_loss:.4f}" if rec.heldout_loss is not None else "-")
             bar.update(1)
+        if board is not None:
+            board.add(rec)
         if curve.add(rec):
             create_markdown_artifact(_heldout_markdown(curve.points), key=artifact_key(run.name, "heldout"),
                                      description=f"held-out loss per round, up to round {r}")
@@ -162,6 +166,8 @@ def _run_rounds(p: Params, executor: NodeExecutor, run: Run, lease: RunLease, st
                                  description=f"expert load per layer, nodes x experts, round {rec.round}")
     if bar is not None:
         bar.close()
+    if board is not None:
+        board.close()
     latest = run.latest_round()
     return {"run": run.name, "first_round": first, "last_round": max(last, first - 1), "rounds_run": rounds,
             "latest_committed": latest}

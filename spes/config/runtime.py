@@ -114,6 +114,10 @@ class OrchestrationConfig:
     log_every_steps: int = 10
     """Each node logs its step, loss, tokens/s and the seconds left in the round every this many steps
     (relayed to its node task's log in the Prefect UI); 0 = never."""
+    tensorboard_dir: Optional[str] = "tensorboard"
+    """TensorBoard event files of every run, one folder per run (relative to artifacts_dir; spes/run/board.py):
+    per-step train loss of each node and the learning rate, held-out loss, traffic, round times, merge alpha,
+    expert balance, tokens on the x-axis. `tensorboard --logdir artifacts/tensorboard` (offline). null = off."""
     lock_ttl_s: float = 600.0
     """The run's writer lease on storage; refreshed every ttl/3 while a flow runs, free again after a crash."""
 

@@ -87,6 +87,28 @@ def test_resume_from_a_local_state_round_equals_uninterrupted(project, reference
     assert out["first_round"] == 2
     assert_same(final_weights(pfile, "local"), reference)
     assert glob.glob(str(project / "storage/runs/local/superseded/*/000003"))
+    _check_board(pfile, "local")
+
+
+def _check_board(pfile: str, run: str) -> None:
+    """The run's TensorBoard events (spes/run/board.py) hold each committed round's held-out loss once, at the
+    run's tokens so far, after a resume that recomputed rounds 2 and 3 as well."""
+    import struct
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from spes.run.board import board_dir
+
+    p = load_params(pfile)
+    runs = Run(Store.from_config(p.storage), run)
+    want, tokens = [], 0
+    for rec in runs.records(1, runs.latest_round()):
+        tokens += rec.tokens
+        if rec.heldout_loss is not None:
+            want.append((tokens, struct.unpack("f", struct.pack("f", rec.heldout_loss))[0]))
+    acc = EventAccumulator(board_dir(p, run), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert want and [(e.step, e.value) for e in acc.Scalars("heldout/loss")] == want
 
 
 def test_sigkilled_node_is_retried_and_result_unchanged(project, reference, monkeypatch):

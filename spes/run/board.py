@@ -1,0 +1,87 @@
+"""A run's curves as TensorBoard event files, offline: `tensorboard --logdir artifacts/tensorboard` shows every
+run of this machine (and every variant of a study) side by side, tokens on the x-axis so runs overlay.
+
+Written by the orchestrator from each round's record, so it needs nothing from the node machines (the
+record already carries every node's per-step losses, its expert load and its traffic):
+
+    train/loss/node<i>         each local step's loss of node i (x: the run's training tokens at that step)
+    train/lr                   the learning rate of each step (the schedule the nodes follow)
+    heldout/loss               the committed global's held-out loss (eval.every_rounds)
+    traffic/up_bytes/node<i>   bytes node i wrote for the round, traffic/down_bytes/node<i> what it read
+    round/wall_s, round/max_node_compute_s, round/heldout_s, sync/merge_alpha
+    experts/balance/layer<l>   the busiest expert's share of the routed rows over the mean, over all nodes
+
+One folder per run (<dir>/<run>); a resume from round k drops what the folder held past round k's tokens
+(SummaryWriter's purge_step), so a recomputed round replaces its points instead of doubling them.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from spes.config.schema import Params
+from spes.run.records import RoundRecord
+from spes.train.trainer import lr_at
+
+
+def board_dir(p: Params, run: str) -> Optional[str]:
+    """Where the run's events go (orchestration.tensorboard_dir, relative to artifacts_dir), or None (off)."""
+    d = p.orchestration.tensorboard_dir
+    if d is None:
+        return None
+    return os.path.join(d if os.path.isabs(d) else os.path.join(p.artifacts_dir, d), run)
+
+
+class RunBoard:
+    """Appends one round at a time; `tokens_before`: the run's training tokens before the first round added."""
+
+    def __init__(self, p: Params, run: str, tokens_before: int):
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package; imported when used
+
+        folder = board_dir(p, run)
+        assert folder is not None
+        self.p, self.tokens = p, tokens_before
+        self.writer = SummaryWriter(folder, purge_step=tokens_before + 1 if tokens_before else None)
+
+    def add(self, rec: RoundRecord) -> None:
+        w, s = self.writer, self.p.spes
+        ok = [n for n in rec.nodes if n.ok and n.upload is not None]
+        steps = max((len(n.upload.losses) for n in ok if n.upload), default=0)
+        per_step = rec.tokens / steps if steps else 0.0  # all nodes' tokens of one local step
+        first = (rec.round - 1) * s.sync_steps
+        for i in range(steps):
+            x = round(self.tokens + per_step * (i + 1))
+            w.add_scalar("train/lr", lr_at(first + i, s.optim, s.total_steps), x)
+            for n in ok:
+                assert n.upload is not None
+                if i < len(n.upload.losses):
+                    w.add_scalar(f"train/loss/node{n.node}", n.upload.losses[i], x)
+        self.tokens += rec.tokens
+        x = self.tokens
+        if rec.heldout_loss is not None:
+            w.add_scalar("heldout/loss", rec.heldout_loss, x)
+        for n in rec.nodes:
+            w.add_scalar(f"traffic/up_bytes/node{n.node}", n.bytes_up, x)
+            w.add_scalar(f"traffic/down_bytes/node{n.node}", n.bytes_down, x)
+        w.add_scalar("round/wall_s", rec.wall_s, x)
+        w.add_scalar("round/max_node_compute_s", rec.max_node_compute_s, x)
+        w.add_scalar("round/heldout_s", rec.heldout_s, x)
+        w.add_scalar("sync/merge_alpha", rec.aggregate.merge_alpha, x)
+        for layer, value in enumerate(_balance([n.upload.expert_load for n in ok if n.upload and n.upload.expert_load])):
+            w.add_scalar(f"experts/balance/layer{layer}", value, x)
+        w.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _balance(loads: list[list[list[int]]]) -> list[float]:
+    """Per layer, over all nodes' routed rows: the busiest expert's count over the mean count."""
+    if not loads:
+        return []
+    out = []
+    for layer in range(len(loads[0])):
+        total = [sum(node[layer][e] for node in loads) for e in range(len(loads[0][layer]))]
+        mean = sum(total) / len(total) if total else 0.0
+        out.append(max(total) / mean if mean > 0 else 0.0)
+    return out
