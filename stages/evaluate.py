@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import os
+import sys
 
 from stages.common import out_dir, parse, run, write_json
 
@@ -64,14 +65,14 @@ def main() -> None:
         raise SystemExit(f"evaluate: run {run.name!r} has no committed rounds on {run.store.url}")
     device = resolve_device(p.orchestration.device)
 
-    def evaluate(model):
-        return heldout_loss(model.to(device), data.val, e.batch_size, e.seq_len, e.batches)
+    def evaluate(model, what: str):
+        return heldout_loss(model.to(device), data.val, e.batch_size, e.seq_len, e.batches, progress=f"evaluate: {what}")
 
-    initial = evaluate(run.load_model(0)[0])["loss"]
+    initial = evaluate(run.load_model(0)[0], "the initial model (round 0)")["loss"]
     model, manifest = run.load_model(rounds[-1])
-    final = evaluate(model)
+    final = evaluate(model, f"the final model (round {rounds[-1]})")
     torch.manual_seed(p.init.seed + UNTRAINED_SEED_OFFSET)
-    untrained = evaluate(CausalLM(model.cfg))["loss"]
+    untrained = evaluate(CausalLM(model.cfg), "an untrained model")["loss"]
     model.to("cpu")
 
     per_round, node_rows, tokens = [], [], 0
@@ -92,6 +93,7 @@ def main() -> None:
                "untrained_heldout_loss": untrained, "initial_heldout_loss": initial,
                "hf_max_abs_logit_diff": parity, "eval_tokens": final["tokens"], "train_tokens": tokens}
     if e.lm_eval_tasks:
+        print(f"evaluate: lm-eval tasks {list(e.lm_eval_tasks)} on the exported model", file=sys.stderr, flush=True)
         metrics["lm_eval"] = run_lm_eval(hf_dir, list(e.lm_eval_tasks), e.lm_eval_include, e.lm_eval_limit)
     write_json(os.path.join(d, "metrics.json"), metrics)
     _write_csv(os.path.join(d, "heldout_loss.csv"), per_round)

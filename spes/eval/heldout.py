@@ -2,26 +2,31 @@
 from __future__ import annotations
 
 import math
+import sys
 from typing import Optional, Union
 
 import numpy as np
 import torch
 
 from spes.data.shards import TokenSequence
-from spes.data.tokens import eval_batches
+from spes.data.tokens import as_sequence, eval_batches, eval_window_starts
 from spes.model.transformer import CausalLM
 
 
 @torch.no_grad()
 def heldout_loss(model: CausalLM, tokens: Union[np.ndarray, TokenSequence], batch_size: int, seq_len: int,
-                 num_batches: Optional[int] = None, spread: bool = False) -> dict:
+                 num_batches: Optional[int] = None, spread: bool = False, progress: Optional[str] = None) -> dict:
     """Mean next-token loss over fixed windows of the held-out split (all of it when num_batches is None),
     with the standard error of that mean estimated from the spread of the per-window means, and those
-    per-window means (two models on the same windows compare paired: spes/eval/compare.py)."""
+    per-window means (two models on the same windows compare paired: spes/eval/compare.py). `progress`: what
+    is being scored, said on stderr before it starts (with a tqdm bar of the windows on a terminal)."""
     model.eval()
     device = next(model.parameters()).device
     per_window = []
-    for x, y in eval_batches(tokens, batch_size, seq_len, num_batches, spread):
+    batches = eval_batches(tokens, batch_size, seq_len, num_batches, spread)
+    if progress is not None:
+        batches = _with_progress(batches, progress, len(as_sequence(tokens)), batch_size, seq_len, num_batches, spread)
+    for x, y in batches:
         logits = model(x.to(device)).logits.float()
         nll_BS = torch.nn.functional.cross_entropy(logits.transpose(1, 2), y.to(device), reduction="none")
         per_window.append(nll_BS.double().mean(dim=1))
@@ -30,6 +35,17 @@ def heldout_loss(model: CausalLM, tokens: Union[np.ndarray, TokenSequence], batc
     se = (w.std(unbiased=True) / math.sqrt(len(w))).item() if len(w) > 1 else float("nan")
     return {"loss": loss, "se": se, "perplexity": math.exp(min(loss, 50.0)), "tokens": len(w) * seq_len,
             "windows": len(w), "per_window": w.tolist()}
+
+
+def _with_progress(batches, what: str, n_tokens: int, batch_size: int, seq_len: int, num_batches, spread: bool):
+    windows = len(eval_window_starts(n_tokens, seq_len, None if num_batches is None else num_batches * batch_size,
+                                     spread))
+    print(f"{what}: scoring {windows:,} windows of {seq_len} tokens of the held-out split", file=sys.stderr, flush=True)
+    if not sys.stderr.isatty():
+        return batches
+    from tqdm import tqdm
+
+    return tqdm(batches, total=-(-windows // batch_size), unit="batch", desc=what, leave=False)
 
 
 @torch.no_grad()

@@ -24,6 +24,16 @@ def test_heldout_loss_of_uniform_model_is_log_vocab():
     assert ev["loss"] == pytest.approx(np.log(50), rel=1e-5) and ev["tokens"] == 8 * 16
 
 
+def test_long_scoring_says_what_it_does_and_gives_the_same_numbers(capsys):
+    torch.manual_seed(0)
+    model = CausalLM(tiny_config(vocab_size=50, num_layers=1))
+    tokens = np.arange(1000) % 47
+    quiet = heldout_loss(model, tokens, batch_size=4, seq_len=16)
+    told = heldout_loss(model, tokens, batch_size=4, seq_len=16, progress="evaluate: the final model")
+    assert told == quiet
+    assert "evaluate: the final model: scoring 62 windows of 16 tokens of the held-out split" in capsys.readouterr().err
+
+
 ARC_TASK = """task: arc_easy_local
 dataset_path: arrow
 dataset_kwargs:
