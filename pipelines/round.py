@@ -97,11 +97,10 @@ def _table(rows: list[NodeReport], agg: GlobalMeta) -> list[dict]:
         return now if n.node in after or not agg.membership else f"{now}, then none (no longer a member)"
 
     return [{"node": n.node, "experts trained": experts(n), "status": n.status + (f": {n.error}" if n.error else ""),
-             "train loss (mean of the round's steps)": fmt_loss(n.upload.loss_mean if n.upload else None),
-             "tokens trained": f"{n.tokens:,}", "uploaded": fmt_bytes(n.bytes_up),
-             "downloaded": fmt_bytes(n.bytes_down),
-             "seconds (load + compute)": fmt_seconds(n.upload.seconds_load + n.upload.seconds_compute if n.upload else None),
-             "expert load, busiest / mean, per layer": fmt_balance(n.upload.expert_load if n.upload else [])}
+             "train loss (round mean)": fmt_loss(n.upload.loss_mean if n.upload else None),
+             "tokens": f"{n.tokens:,}", "up": fmt_bytes(n.bytes_up), "down": fmt_bytes(n.bytes_down),
+             "load + compute": fmt_seconds(n.upload.seconds_load + n.upload.seconds_compute if n.upload else None),
+             "expert load max/mean": fmt_balance(n.upload.expert_load if n.upload else [])}
             for n in rows] + [{"node": j, "experts trained": f"joins: {fmt_experts(e)} from the next round"}
                               for j, e in sorted(after.items()) if j not in {n.node for n in rows}]
 

@@ -81,12 +81,29 @@ def _round_bar(run: str, stage: str, first: int, last: int):
     return tqdm(total=last, initial=first - 1, unit="round", desc=f"{run} {stage}", dynamic_ncols=True)
 
 
-def _heldout_markdown(curve: list[tuple[int, int, float]]) -> str:
+def _svg_image(series: dict, title: str, ylabel: str) -> str:
+    """A markdown image of an SVG line plot as a data URI: the Prefect UI (3.9, checked in headless Chromium)
+    renders it inside a markdown artifact, with nothing to host."""
+    import base64
+
+    from spes.eval.svg_plot import line_plot_svg
+
+    svg = line_plot_svg(series, title, "training tokens", ylabel, "no points yet")
+    return f"![{title}](data:image/svg+xml;base64,{base64.b64encode(svg.encode()).decode()})"
+
+
+def _heldout_markdown(curve: "HeldOutCurve") -> str:
+    points = curve.points
     lines = ["| round | tokens so far | held-out loss |", "|---|---|---|"]
-    lines += [f"| {r} | {tokens:,} | {loss:.4f} |" for r, tokens, loss in curve]
-    losses = [loss for _, _, loss in curve]
+    lines += [f"| {r} | {tokens:,} | {loss:.4f} |" for r, tokens, loss in points]
+    losses = [loss for _, _, loss in points]
     picture = f"`{sparkline(losses)}` {losses[0]:.4f} → {losses[-1]:.4f}" if losses else ""
-    return (f"Held-out loss of the committed global ({len(curve)} rounds)\n\n{picture}\n\n" + "\n".join(lines))
+    held = _svg_image({"held-out loss": [(t, v) for _, t, v in points]}, "held-out loss of the committed global",
+                      "held-out loss")
+    nodes = _svg_image({f"node {n}": pts for n, pts in sorted(curve.node_points.items())},
+                       "train loss per node (mean of each round's steps)", "train loss")
+    return (f"Held-out loss of the committed global ({len(points)} rounds)\n\n{picture}\n\n{held}\n\n{nodes}\n\n"
+            + "\n".join(lines))
 
 
 class HeldOutCurve:
@@ -95,12 +112,16 @@ class HeldOutCurve:
 
     def __init__(self, run: Run, first: int):
         self.points: list[tuple[int, int, float]] = []
+        self.node_points: dict[int, list[tuple[int, float]]] = {}
+        """node -> (tokens so far, its mean train loss of the round), each round it trained."""
         self.tokens = 0
         for rec in run.records(1, first - 1):
             self.add(rec)
 
     def add(self, rec: RoundRecord) -> bool:
         self.tokens += rec.tokens
+        for node, loss in sorted(rec.aggregate.node_loss.items()):
+            self.node_points.setdefault(node, []).append((self.tokens, loss))
         if rec.heldout_loss is None:
             return False
         self.points.append((rec.round, self.tokens, rec.heldout_loss))
@@ -157,7 +178,7 @@ def _run_rounds(p: Params, executor: NodeExecutor, run: Run, lease: RunLease, st
         if board is not None:
             board.add(rec)
         if curve.add(rec):
-            create_markdown_artifact(_heldout_markdown(curve.points), key=artifact_key(run.name, "heldout"),
+            create_markdown_artifact(_heldout_markdown(curve), key=artifact_key(run.name, "heldout"),
                                      description=f"held-out loss per round, up to round {r}")
     if rounds:  # the expert load of the stage's last round, per layer and node
         load = {n.node: n.upload.expert_load for n in rec.nodes if n.ok and n.upload.expert_load}
