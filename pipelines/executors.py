@@ -20,12 +20,14 @@ from abc import ABC, abstractmethod
 from typing import Callable, Optional
 
 from pipelines import stopping
+from pipelines.node_pool import POOL
 from pipelines.request import NodeRequest
 from pipelines.round_progress import RoundProgress
 from spes.config.loader import to_dict
 from spes.config.schema import Params
 from spes.data.tokens import TokenData, check_vocab
-from spes.errors import OrchestrationError
+from spes.errors import IntegrityError, OrchestrationError, RecordError
+from spes.round.driver import round_members
 from spes.round.progress_line import relayed
 from spes.run.layout import tokens_dir
 from spes.run.local_runs import node_state_root
@@ -46,7 +48,7 @@ class NodeExecutor(ABC):
     def preflight(self, p: Params) -> None:
         """At the stage's start, before the Prefect server or any node: what is wrong with the settings."""
 
-    def prepare(self, p: Params, run: Run, members: Optional[list[int]]) -> None:
+    def prepare(self, p: Params, run: Run) -> None:
         """Before the run's lease and its first round: the nodes can be reached."""
 
     def start(self, p: Params) -> None:
@@ -74,8 +76,6 @@ class ProcessExecutor(NodeExecutor):
     name = "process"
 
     def start(self, p: Params) -> None:
-        from pipelines.node_pool import POOL
-
         POOL.start(range(sync_method(p.spes).nodes))  # no-op for processes already started (stages.rounds)
 
     def share_tokens(self, p: Params, store: Store) -> Optional[str]:
@@ -91,8 +91,6 @@ class ProcessExecutor(NodeExecutor):
     def run_node(self, p, run, r, node, timeout_s, checkpoint, tokens_key):
         """The round on the node's long-lived process, its output relayed to the Prefect log."""
         from prefect import get_run_logger
-
-        from pipelines.node_pool import POOL
 
         logger = get_run_logger()
         req = NodeRequest(to_dict(p), run, r, node, checkpoint)
@@ -110,8 +108,6 @@ class ProcessExecutor(NodeExecutor):
         return status, report
 
     def close(self) -> None:
-        from pipelines.node_pool import POOL
-
         POOL.close()
 
 
@@ -124,9 +120,16 @@ class DeploymentExecutor(NodeExecutor):
                               "need a Prefect server they can reach (prefect server start --host 0.0.0.0; export "
                               "PREFECT_API_URL=http://<this machine>:4200/api here and on every node machine)")
 
-    def prepare(self, p: Params, run: Run, members: Optional[list[int]]) -> None:
+    def prepare(self, p: Params, run: Run) -> None:
+        """The API and the runner of each member of the next round (all nodes before round 0, or while the
+        latest round is damaged: the flow sets it aside, then checks again)."""
         from pipelines.deployment_nodes import check_node_deployments
 
+        try:
+            latest = run.latest_round()
+            members = round_members(p, run, latest + 1) if latest is not None else None
+        except (IntegrityError, RecordError):
+            members = None
         check_node_deployments(p, members)
 
     def share_tokens(self, p: Params, store: Store) -> Optional[str]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from spes.model.losses import load_balance
+
 
 def fmt_bytes(n: Optional[float]) -> str:
     if n is None:
@@ -40,15 +42,6 @@ def fmt_experts(experts) -> str:
     if run:
         out.append(run)
     return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in out) or "none"
-
-
-def load_balance(counts_LE: list[list[int]]) -> list[float]:
-    """Per layer: max over experts of the routed rows / their mean (1.0 when every expert gets the same)."""
-    out = []
-    for layer in counts_LE:
-        mean = sum(layer) / len(layer) if layer else 0.0
-        out.append(max(layer) / mean if mean > 0 else float("nan"))
-    return out
 
 
 def fmt_balance(counts_LE: list[list[int]]) -> str:

@@ -20,8 +20,8 @@ from pipelines.formatting import load_heatmap, sparkline
 from pipelines.round import artifact_key, round_task
 from spes.config.loader import load_params, to_dict
 from spes.config.schema import Params
-from spes.errors import ConfigError, IntegrityError, RecordError
-from spes.round.driver import checkpoint_due, resume_point, round_members
+from spes.errors import ConfigError
+from spes.round.driver import checkpoint_due, resume_point
 from spes.run.board import RunBoard, board_dir
 from spes.run.identity import InitModel, fingerprinted, legacy_fingerprint, settings_fingerprint
 from spes.run.lease import RunLease
@@ -64,10 +64,11 @@ def spes_training(params_path: str = "params.yaml", overrides: Optional[list[str
     if not run_name:
         _rename_flow_run(run, stage, resume_round)
     store, executor = Store.from_config(p.storage), executor_for(p)
-    executor.prepare(p, Run(store, run), _current_members(p, Run(store, run)))  # before the lease and any round
+    handle = Run(store, run)
+    executor.prepare(p, handle)  # before the lease and any round
     with RunLease(store, run, p.orchestration.lock_ttl_s) as lease:
         try:
-            return _run_rounds(p, executor, Run(store, run), lease, stage, resume_round, init_path, on_mismatch)
+            return _run_rounds(p, executor, handle, lease, stage, resume_round, init_path, on_mismatch)
         finally:
             executor.close()
 
@@ -126,15 +127,6 @@ class HeldOutCurve:
             return False
         self.points.append((rec.round, self.tokens, rec.heldout_loss))
         return True
-
-
-def _current_members(p: Params, run: Run) -> Optional[list[int]]:
-    """The nodes of the run's next round (its latest committed global's membership); None before round 0."""
-    try:
-        latest = run.latest_round()
-        return round_members(p, run, latest + 1) if latest is not None else None
-    except (IntegrityError, RecordError):  # a damaged latest round: set aside by the flow, then checked again
-        return None
 
 
 def _run_rounds(p: Params, executor: NodeExecutor, run: Run, lease: RunLease, stage: str, resume_round, init_path,

@@ -23,6 +23,16 @@ def load_balance_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int
     return E * torch.sum(f_E * probs_TE.mean(dim=0))
 
 
+def load_balance(counts_LE: list[list[int]]) -> list[float]:
+    """Per layer: max over experts of the routed rows / their mean (1.0 when every expert gets the same; nan
+    for a layer that routed nothing). What the round table and the run's TensorBoard curves show."""
+    out = []
+    for layer in counts_LE:
+        mean = sum(layer) / len(layer) if layer else 0.0
+        out.append(max(layer) / mean if mean > 0 else float("nan"))
+    return out
+
+
 def grouped_load_balance_loss(probs_TE: torch.Tensor, top_idx_TK: torch.Tensor, groups: int, top_k: int,
                               expert_weight_E: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The load-balance loss of each of `groups` equal, consecutive groups of tokens, averaged: what a step

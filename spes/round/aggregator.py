@@ -5,7 +5,8 @@ and residual, each node's upload), never a whole upload, and hashes every byte i
 way (on helper threads). It knows no method's rules: the sync method says which tensors are averaged, what
 state it keeps per tensor (streamed beside the global in outer.safetensors) and how a mean delta becomes the
 global's change; in a merging round it hands each layer's expert tensors to the method's `merge` hook.
-The expert rows of a non-merging round are not copied: the delta refers to the owners' uploads. The global it committed last stays in memory (one model), so the next round need not read it.
+The expert rows of a non-merging round are not copied: the delta refers to the owners' uploads. The global
+it committed last stays in memory (one model), so the next round need not read it.
 
 Uploads that fail verification (truncated, altered, a delta against another base, another codec) are
 moved aside to `runs/<run>/rejected/` with the file named in the log; with `rerun_rejected` the call then

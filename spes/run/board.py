@@ -16,10 +16,12 @@ One folder per run (<dir>/<run>); a resume from round k drops what the folder he
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional
 
 from spes.config.schema import Params
+from spes.model.losses import load_balance
 from spes.run.records import RoundRecord
 from spes.train.trainer import lr_at
 
@@ -76,12 +78,10 @@ class RunBoard:
 
 
 def _balance(loads: list[list[list[int]]]) -> list[float]:
-    """Per layer, over all nodes' routed rows: the busiest expert's count over the mean count."""
+    """Per layer, over all nodes' routed rows: the busiest expert's count over the mean count (0 for a layer
+    that routed nothing)."""
     if not loads:
         return []
-    out = []
-    for layer in range(len(loads[0])):
-        total = [sum(node[layer][e] for node in loads) for e in range(len(loads[0][layer]))]
-        mean = sum(total) / len(total) if total else 0.0
-        out.append(max(total) / mean if mean > 0 else 0.0)
-    return out
+    totals = [[sum(node[layer][e] for node in loads) for e in range(len(loads[0][layer]))]
+              for layer in range(len(loads[0]))]
+    return [b if math.isfinite(b) else 0.0 for b in load_balance(totals)]
