@@ -13,9 +13,11 @@ SQLite writes wait now and then for its event persister, which competes with the
 from __future__ import annotations
 
 import argparse
+import atexit
 import glob
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -26,6 +28,8 @@ import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from bench.cleanup import exit_on_termination  # noqa: E402
 
 PARAMS = {  # params.yaml's embedded default model and round (50 steps of 8 x 128 tokens), a 512-token vocabulary
     "model": {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_layers": 2, "num_heads": 4,
@@ -78,7 +82,9 @@ def main() -> None:
     from spes.run.run import Run
     from spes.storage.store import Store
 
+    exit_on_termination()  # a kill still runs the cleanup below
     tmp = tempfile.mkdtemp(prefix="spes-overhead-")
+    atexit.register(shutil.rmtree, tmp, True)  # after the finally below has stopped the server and the nodes
     docs = [open(f, encoding="utf-8").read()
             for f in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")))]
     tokenize_corpus(docs, os.path.join(tmp, "artifacts", "tokens"), 512, None, 0.2, 0)

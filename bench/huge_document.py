@@ -17,6 +17,10 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.cleanup import exit_on_termination  # noqa: E402
+
 CASE = """
 import glob, json, os, resource, sys, sysconfig
 sys.path.insert(0, {root!r})
@@ -40,6 +44,7 @@ def main() -> None:
     a = ap.parse_args()
     rng = random.Random(0)
     words = ["alpha", "beta", "gamma", "delta", "def", "return", "import", "class", "self", "value"]
+    exit_on_termination()  # a kill still removes the temporary folder
     with tempfile.TemporaryDirectory() as tmp:
         text = " ".join(rng.choice(words) + str(rng.randint(0, 999)) for _ in range(int(a.mb * 115_000)))
         huge, small = os.path.join(tmp, "huge.txt"), os.path.join(tmp, "small.txt")

@@ -12,8 +12,10 @@ bf16 autocast where a GPU is present.
     python bench/memory_plan.py [--json]
 """
 import argparse
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -21,6 +23,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.cleanup import exit_on_termination  # noqa: E402
 from spes.config.schema import ModelConfig, SpesConfig  # noqa: E402
 from spes.train.plan import plan_node  # noqa: E402
 
@@ -109,7 +112,9 @@ def measure(cfg: dict, s: SpesConfig, ranks: int) -> dict:
     if ranks == 1:
         cmd = [sys.executable, "-c", code]
     else:
-        path = os.path.join(tempfile.mkdtemp(prefix="memory-plan-"), "child.py")
+        folder = tempfile.mkdtemp(prefix="memory-plan-")
+        atexit.register(shutil.rmtree, folder, True)
+        path = os.path.join(folder, "child.py")
         with open(path, "w") as f:
             f.write(code)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", path]
@@ -123,6 +128,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    exit_on_termination()  # a kill still removes the ranks' child script (atexit)
     import torch
 
     rows = []
