@@ -28,6 +28,7 @@ from typing import Optional
 
 from prefect import flow, get_run_logger
 
+from pipelines.library_logs import relay_library_logs
 from pipelines.node_host import HOST_ENV, host_round
 from pipelines.request import NodeRequest
 from spes.config.loader import params_from_dict
@@ -43,6 +44,7 @@ _CONNECTIONS: dict = {}
 @flow(name="spes-node", flow_run_name="{run}-node-{node}-round-{r}")
 def spes_node(params: dict, run: str, r: int, node: int, tokens: Optional[str] = None, checkpoint: bool = False,
               from_checkpoint: bool = False) -> dict:
+    relay_library_logs()
     p = params_from_dict(params)
     store = FileStore.from_config(p.storage)
     req = NodeRequest(params, run, r, node, checkpoint, tokens, from_checkpoint=from_checkpoint)

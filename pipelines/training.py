@@ -17,10 +17,11 @@ from prefect.runtime import flow_run
 
 from pipelines.executors import NodeExecutor, executor_for
 from pipelines.formatting import load_heatmap, sparkline
+from pipelines.library_logs import relay_library_logs
 from pipelines.round import artifact_key, round_task
 from spes.config.loader import load_params, to_dict
 from spes.config.schema import Params
-from spes.errors import ConfigError
+from spes.errors import ConfigError, SpesError
 from spes.round.driver import checkpoint_due, resume_point
 from spes.run.board import RunBoard, board_dir
 from spes.run.identity import InitModel, fingerprinted, legacy_fingerprint, settings_fingerprint
@@ -57,6 +58,7 @@ def spes_training(params_path: str = "params.yaml", overrides: Optional[list[str
                   init_path: Optional[str] = None, on_mismatch: str = "error") -> dict:
     """Run rounds up to the stage's last round ('warmup' -> spes.warmup_rounds, 'train'/'all' -> spes.rounds),
     continuing after the latest committed round, or after round `resume_round` (later ones are set aside)."""
+    relay_library_logs()
     if stage not in STAGES:
         raise ConfigError(f"stage must be one of {STAGES}, got {stage!r}")
     p = load_params(params_path, list(overrides or []) + ([f"orchestration.run_name={run_name}"] if run_name else []))
@@ -69,6 +71,9 @@ def spes_training(params_path: str = "params.yaml", overrides: Optional[list[str
     with RunLease(store, run, p.orchestration.lock_ttl_s) as lease:
         try:
             return _run_rounds(p, executor, handle, lease, stage, resume_round, init_path, on_mismatch)
+        except SpesError as e:
+            lease.explain(e)  # a failure after the lease was lost says so
+            raise
         finally:
             executor.close()
 

@@ -22,7 +22,7 @@ def parse(description: str, stages: tuple[str, ...] = ()) -> tuple[argparse.Name
     try:
         return a, load_params(a.params, a.overrides)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        print(f"config error: {e}{experiment_hint()}", file=sys.stderr)
         raise SystemExit(2)
 
 
@@ -50,6 +50,15 @@ def prefect_env_defaults() -> None:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
     # the library's warnings (a superseded run, a retried storage call, retention) reach the Prefect UI too
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "spes")
+
+
+def experiment_hint() -> str:
+    """In `dvc exp run` in the workspace, DVC writes `-S` values into params.yaml before any stage runs and
+    leaves them there when a stage refuses them: the next plain `dvc repro` would use them. Say so."""
+    if not os.environ.get("DVC_EXP_NAME") or f"{os.sep}.dvc{os.sep}tmp{os.sep}" in os.getcwd() + os.sep:
+        return ""  # not an experiment, or a --temp/--queue one in its own copy of the repository
+    return ("; `dvc exp run -S` has written the refused value into params.yaml: `git diff params.yaml` shows it, "
+            "`git checkout params.yaml` undoes it (`dvc exp run --temp -S ...` tries settings in a copy)")
 
 
 def run(main) -> None:

@@ -181,6 +181,18 @@ class RunLease:
         if self._lost is not None:
             raise RunLocked(f"run {self.run!r}: stopped, the writer lease was lost ({self._lost})")
 
+    def explain(self, error: BaseException) -> None:
+        """Raise RunLocked when `error` stopped the writer after it lost the lease: a stalled writer that
+        resumes finds its rounds set aside by the new holder (NotCommitted ...), and the cause is the lease."""
+        if isinstance(error, RunLocked):
+            return
+        try:
+            self.check()
+        except RunLocked as lost:
+            raise RunLocked(f"{lost}; what stopped it then: {type(error).__name__}: {error}") from error
+        except Exception:  # noqa: BLE001 - storage unreachable: the original error says enough
+            return
+
     def __exit__(self, *exc) -> None:
         self._stop.set()
         if self._thread is not None:

@@ -226,6 +226,19 @@ class Run:
         """Whether the node state `ref` names is checkpointed on shared storage."""
         return ref.checkpoint and self.store.is_committed(self.layout.state_dir(ref.round, node))
 
+    def missing_states(self, r: int, has_local_state: Optional[LocalStateCheck] = None) -> list[str]:
+        """The node states a resume after round r needs that are neither committed on shared storage nor
+        (when `has_local_state` can tell) in the node's folder: one storage call per checkpointed node state."""
+        missing = []
+        for i, ref in sorted(self.node_states(r).items()) if r > 0 else ():
+            if self.has_checkpointed_state(i, ref):
+                continue
+            if has_local_state is None and not ref.checkpoint:
+                continue  # nodes elsewhere keep their own state; they say so if they lack it
+            if has_local_state is None or not has_local_state(i, ref):
+                missing.append(self.layout.state_dir(ref.round, i))
+        return missing
+
     def resumable_rounds(self, has_local_state: Optional[LocalStateCheck] = None) -> list[int]:
         """Committed rounds every node can continue from: each node's state that round's global was built
         with is checkpointed on shared storage (the latest global's index says which), or (when
@@ -259,10 +272,12 @@ class Run:
                 k = latest  # nodes elsewhere keep their latest state
             else:
                 resumable = self.resumable_rounds(has_local_state)
-                k = resumable[-1]
+                # the index says which states were checkpointed; check the ones the chosen round needs are
+                # still there (a deleted state falls back to an older round): a few calls, whatever the run length
+                k = next((k for k in reversed(resumable) if not self.missing_states(k, has_local_state)), 0)
                 if k != latest:
                     log.warning("run %s: continuing from round %d, the latest resumable one (rounds %d-%d lack node "
-                                "states: not checkpointed, not on the nodes)", self.name, k, k + 1, latest)
+                                "states: not checkpointed, not on the nodes, or deleted)", self.name, k, k + 1, latest)
         else:
             try:
                 k = int(resume_round)
@@ -279,6 +294,10 @@ class Run:
             if k not in resumable:
                 raise ProtocolError(f"run {self.name!r}: round {k} is not resumable: some node's state after it is "
                                     f"neither checkpointed nor on its node (resumable: {resumable})")
+            missing = self.missing_states(k, has_local_state)
+            if missing:
+                raise ProtocolError(f"run {self.name!r}: round {k} is not resumable: its node states {missing} are "
+                                    f"gone from {self.store.url} and from the nodes")
         moved = self.supersede_after(k)
         if moved:
             log.warning("resuming from round %d: rounds %s moved to %s/superseded/", k, moved, self.layout.base)

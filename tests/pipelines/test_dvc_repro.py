@@ -117,3 +117,18 @@ def test_dvc_repro_end_to_end(tmp_path):
 
     assert series("artifacts/eval/node_loss.svg") == ["node 0", "node 1"]
     assert sorted(series("artifacts/compare/heldout_curves.svg")) == ["centralized (1x)", "spes (1x)"]
+
+    # issue 33, item 5: a setting a stage refuses. `dvc exp run --temp` tries it in a copy and params.yaml
+    # stays as it was; in the workspace DVC has already written it, and the one-line error says so
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["add", "-A"], cwd=proj, env=env, check=True)
+    subprocess.run(git + ["commit", "-qm", "tiny"], cwd=proj, env=env, check=True)
+    before = (proj / "params.yaml").read_bytes()
+    for flags, hint in ((["--temp"], False), ([], True)):
+        exp = subprocess.run(dvc + ["exp", "run", *flags, "-S", "spes.rounds=0"], cwd=proj, env=env,
+                             capture_output=True, text=True, timeout=300)
+        out = exp.stdout + exp.stderr
+        assert exp.returncode != 0 and "config error: " in out and "spes.rounds must be >= 1, got 0" in out, out[-3000:]
+        assert ("`git checkout params.yaml` undoes it" in out) == hint, out[-3000:]
+        assert ((proj / "params.yaml").read_bytes() == before) != hint
+    subprocess.run(["git", "checkout", "params.yaml"], cwd=proj, env=env, check=True)

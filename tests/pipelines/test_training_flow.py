@@ -182,3 +182,36 @@ def test_s3_storage_with_resume(project, reference, monkeypatch):
         assert Run(Store.from_config(p.storage), "s3run").committed_rounds() == [0, 1, 2, 3]
     finally:
         server.stop()
+
+
+def test_the_librarys_warnings_reach_the_prefect_log_however_prefect_was_imported(prefect_server):
+    """Issue 33, item 11: a served deployment imports Prefect before PREFECT_LOGGING_EXTRA_LOGGERS is set;
+    the flow attaches the API handler to the library's logger itself."""
+    import logging
+    import uuid
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.runtime import flow_run
+
+    from pipelines.library_logs import relay_library_logs
+
+    @flow
+    def warns() -> str:
+        relay_library_logs()
+        logging.getLogger("spes.run.run").warning("committed round 3 is damaged (a test)")
+        return flow_run.id
+
+    library = logging.getLogger("spes")
+    saved = library.handlers[:]
+    library.handlers.clear()  # as after `python -m pipelines.serve`
+    try:
+        run_id = warns()
+    finally:
+        library.handlers[:] = saved
+    for handler in logging.getLogger("prefect.extra").handlers:
+        handler.flush()  # the API handler sends in batches
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[uuid.UUID(str(run_id))])))
+    assert [x.level for x in logs if "committed round 3 is damaged (a test)" in x.message] == [logging.WARNING]

@@ -81,3 +81,15 @@ def test_lost_lease_stops_the_writer(tmp_path):
             lease.check()
     assert json.loads((tmp_path / "runs/r/lease/0000000001.json").read_text())["owner"] == "other-host:1:abc"
     assert _gen_files(tmp_path) == ["0000000000.json", "0000000001.json"]
+
+
+def test_a_failure_after_the_lease_was_lost_says_it_lost_the_lease(tmp_path):
+    from spes.errors import NotCommitted
+
+    store = Store(str(tmp_path))
+    with RunLease(store, "r", ttl_s=60) as lease:
+        lease.explain(NotCommitted("x is not committed"))  # the lease is held: the error stands as it is
+        thief = {"owner": "other-host:1:abc", "host": "other-host", "expires_at": time.time() + 60, "released": False}
+        (tmp_path / "runs/r/lease/0000000001.json").write_text(json.dumps(thief))
+        with pytest.raises(RunLocked, match=r"lease was lost.*other-host.*what stopped it then: NotCommitted: x is not"):
+            lease.explain(NotCommitted("x is not committed"))

@@ -162,6 +162,18 @@ def test_resumable_rounds_and_resume_resolution(tmp_path):
     assert run.committed_rounds() == [0, 1, 2]
 
 
+def test_a_resume_checks_the_states_it_needs_are_still_there(tmp_path):
+    import shutil
+    run = _synthetic_run(tmp_path, {r: {0: (r, True), 1: (r, True)} for r in (1, 2)}
+                         | {3: {0: (3, False), 1: (3, False)}})
+    shutil.rmtree(tmp_path / run.layout.state_dir(2, 0))  # the index still lists round 2 as resumable
+    with pytest.raises(ProtocolError, match=r"round 2 is not resumable: its node states \['runs/r/.*000"):
+        run.resolve_start(2, lambda i, ref: False)
+    assert run.missing_states(1, lambda i, ref: False) == [] and run.missing_states(1, None) == []
+    assert run.resolve_start("latest", lambda i, ref: False) == 2  # falls back by itself
+    assert run.committed_rounds() == [0, 1]
+
+
 def test_retention_keeps_what_a_resume_needs(tmp_path):
     # node 1 misses rounds 4-6: the later globals still need its checkpointed round-3 state
     refs = {1: {0: (1, False), 1: (1, False)}, 2: {0: (2, True), 1: (2, True)},
