@@ -10,7 +10,7 @@ from tests.conftest import ROOT
 
 ENTRY_POINTS = {"stages.tokenize": "Reads the corpus", "stages.dense": "Reads artifacts/tokens",
                 "stages.upcycle": "writes artifacts/init", "stages.rounds": "warmup", "stages.evaluate": "Reads",
-                "stages.compare": "compare", "spes.config": "set-params", "spes.train.plan": "--gpu-mem", "spes.plan": "--gpu-mem", "spes.members": "join",
+                "stages.compare": "compare", "spes.config": "set-params", "spes.plan": "--gpu-mem", "spes.members": "join",
                 "pipelines.serve": "deployment", "pipelines.node_flow": "GPU machine"}
 
 

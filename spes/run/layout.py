@@ -20,8 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from spes.config.schema import check_name
-
-MODEL_FILE, OUTER_FILE, RESIDUAL_FILE = "model.safetensors", "outer.safetensors", "residual.safetensors"  # global/
+from spes.sync.deltas import MODEL_FILE, OUTER_FILE, RESIDUAL_FILE  # noqa: F401  - a global bundle's files
 
 
 @dataclass(frozen=True)

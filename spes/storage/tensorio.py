@@ -69,6 +69,17 @@ def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray is a buffer
 
 
+def file_bytes(specs: Iterable[Spec]) -> int:
+    """The size of the safetensors file TensorWriter writes for `specs` (header, padding, data)."""
+    header, off = {}, 0
+    for name, dtype, shape in specs:
+        end = off + _nbytes(dtype, shape)
+        header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [off, end]}
+        off = end
+    hb = len(json.dumps(header, separators=(",", ":")).encode())
+    return 8 + hb + (-hb % 8) + off
+
+
 class TensorWriter:
     """Header first (all specs known up front), then each tensor in spec order; `close()` -> (sha256, bytes)."""
 

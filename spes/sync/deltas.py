@@ -24,6 +24,9 @@ from spes.sync.codecs import Codec
 from spes.sync.method import SyncMethod
 
 SHARED_FILE, EXPERTS_FILE = "shared.safetensors", "experts.safetensors"
+"""A node's upload: the delta of the averaged tensors, and of its own experts' rows."""
+MODEL_FILE, OUTER_FILE, RESIDUAL_FILE = "model.safetensors", "outer.safetensors", "residual.safetensors"
+"""A global bundle: the model, the method's outer state, the aggregator's encoding residual."""
 MOMENTS_FILE = "moments.safetensors"
 """sync.average_optimizer_state: a node's Adam moments of the averaged parameters (upload), their mean (global)."""
 MOMENT_KINDS = ("exp_avg", "exp_avg_sq")

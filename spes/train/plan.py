@@ -12,8 +12,10 @@
 
     python -m spes.plan [--params params.yaml] [--gpu-mem 48GiB] [--json] [key=value ...]
     python -m spes.plan --nodes 24GiB,48GiB,80GiB [configs/...] [--json]   # nodes of different sizes
+    python -m spes.plan --link 100Mbit/s --rtt 50ms [--storage-link R] [--tflops T] [--mfu M]  # a round's
+        transfer against its compute (spes/train/link_plan.py)
 
-(the same as `python -m spes.train.plan`) prints it per node, against training the whole model on one
+(`python -m spes.plan`, spes/plan.py) prints it per node, against training the whole model on one
 device, and whether it fits; then the peak per GPU of the largest node with ddp and fsdp, plain and chunked
 loss. Under bf16 autocast the estimate counts matmul inputs in bf16 and the bf16 weight copies autocast
 keeps (with fsdp the gathered weights are bf16 instead); it is checked against measured peaks on the CPU in
@@ -21,7 +23,6 @@ fp32 only (bench/memory_plan.py).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -196,7 +197,7 @@ def parse_bytes(text: str, flag: str = "size") -> int:
     return value
 
 
-def _gib(b: int) -> str:
+def gib(b: int) -> str:
     return f"{b / 2**30:.2f} GiB"
 
 
@@ -222,21 +223,21 @@ def report(cfg: ModelConfig, s: SpesConfig, ranks: int, gpu_mem: Optional[int]) 
         m = plan_node(cfg, s, i, ranks)
         fits = "" if gpu_mem is None else (" fits" if m["peak_bytes"] <= gpu_mem else " DOES NOT FIT") + \
             f" in {gpu_mem / 2**30:.0f} GiB"
-        held = f"; per rank {_gib(m['sharded_bytes'])} of shards + {_gib(m['gathered_bytes'])} gathered" \
+        held = f"; per rank {gib(m['sharded_bytes'])} of shards + {gib(m['gathered_bytes'])} gathered" \
             if m["parallel"] == "fsdp" else ""
         rows.setdefault(
             f"trainable {m['trainable_params']:,} / frozen {m['frozen_params']:,} ({s.frozen_dtype}) params;"
             f" weights {m['weights_bytes'] / 2**30:.2f} + grads {m['grads_bytes'] / 2**30:.2f} + Adam "
-            f"{m['optimizer_bytes'] / 2**30:.2f} GiB{held}; activations {_gib(m['activations_bytes'])} "
-            f"({_gib(m['activations_checkpointed_bytes'])} with block checkpointing); peak per GPU "
-            f"{_gib(m['peak_bytes'])} = {m['peak_bytes'] / full['peak_bytes']:.2f}x training the whole "
+            f"{m['optimizer_bytes'] / 2**30:.2f} GiB{held}; activations {gib(m['activations_bytes'])} "
+            f"({gib(m['activations_checkpointed_bytes'])} with block checkpointing); peak per GPU "
+            f"{gib(m['peak_bytes'])} = {m['peak_bytes'] / full['peak_bytes']:.2f}x training the whole "
             f"model{fits}", []).append(i)
     for text, nodes in rows.items():  # nodes with the same numbers share a line
         lines.append(f"node{'s' if len(nodes) > 1 else ''} {_ranges(nodes)}: {text}")
-    lines.append(f"whole model on one node of {ranks} rank(s): peak per GPU {_gib(full['peak_bytes'])}")
+    lines.append(f"whole model on one node of {ranks} rank(s): peak per GPU {gib(full['peak_bytes'])}")
     grid = variants(cfg, s, ranks)
     lines.append("peak per GPU of the largest node: " + "; ".join(
-        f"{par} {loss} loss {_gib(b)}" for par, row in grid.items() for loss, b in row.items())
+        f"{par} {loss} loss {gib(b)}" for par, row in grid.items() for loss, b in row.items())
         + ("" if ranks > 1 else " (fsdp needs orchestration.gpus_per_node >= 2)"))
     return lines
 
@@ -294,9 +295,9 @@ def max_experts_fitting(cfg: ModelConfig, s: SpesConfig, memory: int, ranks: int
     fits = [k for k, m in owning.items() if m["peak_bytes"] <= memory]
     if not fits:
         one = owning[1]
-        raise ConfigError(f"{who} ({_gib(memory)}): owning even one expert per layer needs "
-                          f"{_gib(one['peak_bytes'])} per GPU, its frozen experts alone "
-                          f"{_gib(one['frozen_params'] * DTYPE_BYTES[s.frozen_dtype])}")
+        raise ConfigError(f"{who} ({gib(memory)}): owning even one expert per layer needs "
+                          f"{gib(one['peak_bytes'])} per GPU, its frozen experts alone "
+                          f"{gib(one['frozen_params'] * DTYPE_BYTES[s.frozen_dtype])}")
     return max(fits)
 
 
@@ -338,40 +339,3 @@ def capacity_plan(cfg: ModelConfig, s: SpesConfig, memories: list[int], ranks: i
 def _ranges(nodes: list[int]) -> str:
     return f"{nodes[0]}-{nodes[-1]}" if len(nodes) > 1 and nodes == list(range(nodes[0], nodes[-1] + 1)) \
         else ", ".join(map(str, nodes))
-
-
-def main() -> None:
-    from spes.config.loader import load_params
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", default="params.yaml")
-    ap.add_argument("--gpu-mem", default=None, help="memory of one device, e.g. 48GiB")
-    ap.add_argument("--json", action="store_true", help="end with one JSON line: fits, peak_bytes_per_gpu, ...")
-    ap.add_argument("--nodes", default=None,
-                    help="memory of each node's GPU, e.g. 24GiB,48GiB,80GiB: plan how many experts each owns")
-    ap.add_argument("overrides", nargs="*")
-    a = ap.parse_intermixed_args()  # overrides anywhere on the line
-    try:
-        p = load_params(a.params, a.overrides)
-        gpu_mem = parse_bytes(a.gpu_mem, "--gpu-mem") if a.gpu_mem is not None else None
-        if a.nodes:
-            cp = capacity_plan(p.model, p.spes, [parse_bytes(x, "--nodes") for x in a.nodes.split(",")],
-                               p.orchestration.gpus_per_node)
-    except (ConfigError, ValueError) as e:
-        raise SystemExit(f"config error: {e}")
-    if a.nodes:
-        for i, (c, cap, peak, mem) in enumerate(zip(cp["experts_per_node"], cp["max_experts_per_node"],
-                                                    cp["peak_bytes"], cp["memory_bytes"])):
-            print(f"node {i}: {_gib(mem)}, owns {c} of {p.model.num_experts} experts per layer (fits up to {cap}); "
-                  f"peak per GPU {_gib(peak)}")
-        print("settings: " + " ".join(cp["overrides"]))
-        if a.json:
-            print(json.dumps(cp))
-        return
-    print("\n".join(report(p.model, p.spes, p.orchestration.gpus_per_node, gpu_mem)))
-    if a.json:
-        print(json.dumps(summary(p.model, p.spes, p.orchestration.gpus_per_node, gpu_mem)))
-
-
-if __name__ == "__main__":
-    main()
