@@ -57,9 +57,10 @@ def test_the_environments_choice_wins_and_an_earlier_torch_is_left_alone():
 
 
 def test_training_here_equals_training_on_a_machine_without_avx512():
-    """A machine without AVX-512 emulated by capping each library's instruction set (ATen, MKL, oneDNN)."""
+    """This code on a machine without AVX-512, emulated by capping each library's instruction set (ATen,
+    MKL, oneDNN) as such a CPU would: the library's own settings come on top, as they would there."""
     pinned = _python("import spes\n" + STEPS)
-    without_avx512 = _python(STEPS, ATEN_CPU_CAPABILITY="avx2", MKL_ENABLE_INSTRUCTIONS="AVX2",
+    without_avx512 = _python("import spes\n" + STEPS, ATEN_CPU_CAPABILITY="avx2", MKL_ENABLE_INSTRUCTIONS="AVX2",
                              ONEDNN_MAX_CPU_ISA="AVX2")
     assert pinned == without_avx512
     if NATIVE == "AVX512":  # the kernels this machine would choose by itself do differ: the pinning matters

@@ -205,6 +205,7 @@ class Trained:
     seconds_load: float
     seconds_compute: float
     state_bytes: int
+    grad_norms: list[float]
 
 
 def _data_stream(p: Params, nodes: int, data: TokenData, job: Assignment, batch: int) -> BatchStream:
@@ -243,7 +244,7 @@ def train(ctx: NodeContext, r: int, node: int, data: TokenData, prev: Optional[d
     share = slice(rank * batch // ranks, (rank + 1) * batch // ranks)
     t_load = time.perf_counter() - t0
 
-    losses, tokens, counts = [], 0, None
+    losses, norms, tokens, counts = [], [], 0, None
     t1 = time.perf_counter()
     first_step = (r - 1) * s.sync_steps
     every = p.orchestration.log_every_steps
@@ -251,6 +252,8 @@ def train(ctx: NodeContext, r: int, node: int, data: TokenData, prev: Optional[d
         x, y = stream.next()  # the node's batch; this rank's rows of it
         m = trainer.train_step(x[share], y[share], first_step + i)
         losses.append(m.ce)
+        if m.grad_norm is not None:
+            norms.append(m.grad_norm)
         tokens += m.tokens
         if m.expert_counts_LE is not None:
             counts = m.expert_counts_LE if counts is None else counts + m.expert_counts_LE
@@ -259,8 +262,9 @@ def train(ctx: NodeContext, r: int, node: int, data: TokenData, prev: Optional[d
         if on_step is not None:
             on_step(i)
     losses_cpu: list[float] = torch.stack(losses).tolist()  # the round's one wait for the device
+    norms_cpu: list[float] = torch.stack(norms).float().tolist() if norms else []
     return Trained(trainer, stream.position, losses_cpu, tokens, counts, device, t_load, time.perf_counter() - t1,
-                   trainer.state_bytes())
+                   trainer.state_bytes(), norms_cpu)
 
 
 def commit(ctx: NodeContext, r: int, node: int, inputs: RoundInputs, t: Trained, trained: dict[str, torch.Tensor],
@@ -294,7 +298,7 @@ def commit(ctx: NodeContext, r: int, node: int, inputs: RoundInputs, t: Trained,
         expert_load=t.counts.cpu().tolist() if t.counts is not None else [], ranks=rank_and_size()[1],
         bytes_down=store.bytes_read - bytes_read0, seconds_load=t.seconds_load, seconds_compute=t.seconds_compute,
         device=str(dev), peak_bytes=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
-        state_bytes=t.state_bytes)
+        state_bytes=t.state_bytes, grad_norms=t.grad_norms)
     rel = layout.node_dir(r, node)
     up = BundleWriter(store, rel)
     for fname, parts in files.items():

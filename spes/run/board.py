@@ -5,11 +5,14 @@ Written by the orchestrator from each round's record, so it needs nothing from t
 record already carries every node's per-step losses, its expert load and its traffic):
 
     train/loss/node<i>         each local step's loss of node i (x: the run's training tokens at that step)
+    train/grad_norm/node<i>    each local step's gradient norm on node i, before clipping
+    train/tokens_per_s/node<i> node i's training tokens per second of compute in the round
     train/lr                   the learning rate of each step (the schedule the nodes follow)
     heldout/loss               the committed global's held-out loss (eval.every_rounds)
     traffic/up_bytes/node<i>   bytes node i wrote for the round, traffic/down_bytes/node<i> what it read
     round/wall_s, round/max_node_compute_s, round/heldout_s, sync/merge_alpha
     experts/balance/layer<l>   the busiest expert's share of the routed rows over the mean, over all nodes
+    experts/load/layer<l>/expert<e>/node<i>   the rows node i routed to expert e of layer l in the round
 
 One folder per run (<dir>/<run>); a resume from round k drops what the folder held past round k's tokens
 (SummaryWriter's purge_step), so a recomputed round replaces its points instead of doubling them.
@@ -58,10 +61,19 @@ class RunBoard:
                 assert n.upload is not None
                 if i < len(n.upload.losses):
                     w.add_scalar(f"train/loss/node{n.node}", n.upload.losses[i], x)
+                if i < len(n.upload.grad_norms):
+                    w.add_scalar(f"train/grad_norm/node{n.node}", n.upload.grad_norms[i], x)
         self.tokens += rec.tokens
         x = self.tokens
         if rec.heldout_loss is not None:
             w.add_scalar("heldout/loss", rec.heldout_loss, x)
+        for n in ok:
+            assert n.upload is not None
+            if n.upload.seconds_compute > 0:
+                w.add_scalar(f"train/tokens_per_s/node{n.node}", n.upload.tokens / n.upload.seconds_compute, x)
+            for layer, row in enumerate(n.upload.expert_load):  # each expert's routed rows this round
+                for e, count in enumerate(row):
+                    w.add_scalar(f"experts/load/layer{layer}/expert{e:02d}/node{n.node}", count, x)
         for n in rec.nodes:
             w.add_scalar(f"traffic/up_bytes/node{n.node}", n.bytes_up, x)
             w.add_scalar(f"traffic/down_bytes/node{n.node}", n.bytes_down, x)

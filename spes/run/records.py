@@ -138,6 +138,8 @@ class UploadMeta(Record):
     bytes_up_files: int = 0
     state_bytes: Optional[int] = None
     """Weights, gradients and Adam moments the node's (first) rank held after its last step, counted."""
+    grad_norms: list[float] = field(default_factory=list)
+    """Each local step's gradient norm before clipping (empty in records written before it was kept)."""
     version: int = RECORD_VERSION
 
 

@@ -53,6 +53,8 @@ class StepMetrics:
     ce: torch.Tensor
     tokens: int
     expert_counts_LE: Optional[torch.Tensor]
+    grad_norm: Optional[torch.Tensor] = None
+    """The L2 norm of the node's gradients of what it trains before clipping (0-dim, on the device)."""
 
 
 class NodeTrainer:
@@ -145,13 +147,18 @@ class NodeTrainer:
             ce = out.ce.detach() / k if ce is None else ce + out.ce.detach() / k
             if out.expert_counts_LE is not None:
                 counts = out.expert_counts_LE if counts is None else counts + out.expert_counts_LE
-        if self.cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_([p for _, p in self.trainable_named_parameters()], self.cfg.grad_clip)
+        params = [p for _, p in self.trainable_named_parameters()]
+        if self.cfg.grad_clip > 0:  # the norm before clipping, as the clip computes it
+            norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        if hasattr(norm, "full_tensor"):  # fsdp: a DTensor of the whole node's norm
+            norm = norm.full_tensor()
         self.optimizer.step()
         tokens = B * input_ids_BS.shape[1]
         if self.ranks > 1:  # report the node's step: mean loss, all ranks' tokens and expert loads
             ce, counts, tokens = _node_totals(ce, counts, tokens)
-        return StepMetrics(ce, tokens, counts)
+        return StepMetrics(ce, tokens, counts, norm.detach())
 
     def _no_sync(self, skip: bool):
         """Gradients are reduced over the ranks in the last micro-batch's backward only."""

@@ -18,7 +18,8 @@ def _record(r: int, losses: dict, heldout=None) -> RoundRecord:
         up = UploadMeta(round=r, node=node, experts=[node], tokens=100 * len(ls), base_round=r - 1, base_sha256="x",
                         codec="fp32", state=StateRef(r, "d", False), step_end=r * len(ls), loss_first=ls[0],
                         loss_last=ls[-1], loss_mean=sum(ls) / len(ls), losses=ls, expert_load=[[3, 1], [2, 2]],
-                        ranks=1, bytes_down=1000 + node, seconds_load=0.1, seconds_compute=1.0, device="cpu")
+                        ranks=1, bytes_down=1000 + node, seconds_load=0.1, seconds_compute=0.5, device="cpu",
+                        grad_norms=[2.0 + node + 0.5 * i for i in range(len(ls))])
         nodes.append(NodeReport(node, "ok", up, bytes_up=2000 + node))
     agg = GlobalMeta(round=r, step=r * 2, model_config={}, merge_alpha=0.05 * r)
     return RoundRecord(round=r, wall_s=1.5, max_node_compute_s=1.0, nodes=nodes, aggregate=agg, heldout_loss=heldout,
@@ -50,6 +51,10 @@ def test_the_events_hold_the_records_numbers_at_token_counts(tmp_path):
     assert ev["traffic/down_bytes/node0"] == [(400, 1000.0), (800, 1000.0)]
     assert ev["sync/merge_alpha"] == [(400, _f32(0.05)), (800, _f32(0.1))]
     assert ev["experts/balance/layer0"] == [(400, 1.5), (800, 1.5)]  # (6, 2) over both nodes: 6 / 4
+    assert ev["train/grad_norm/node1"] == [(200, 3.0), (400, 3.5), (600, 3.0), (800, 3.5)]
+    assert ev["train/tokens_per_s/node0"] == [(400, 400.0), (800, 400.0)]  # 200 tokens in 0.5 s
+    assert ev["experts/load/layer1/expert00/node0"] == [(400, 2.0), (800, 2.0)]
+    assert ev["experts/load/layer0/expert00/node1"] == [(400, 3.0), (800, 3.0)]
 
 
 def test_a_resume_replaces_the_recomputed_rounds_points(tmp_path):

@@ -108,6 +108,16 @@ def test_micro_batches_equal_one_full_batch():
         assert torch.allclose(p, q, rtol=0, atol=1e-3 * acc.cfg.lr), n
 
 
+def test_a_step_reports_its_gradient_norm_before_clipping():
+    (clipped, free), x, y = _pair(seed=5)
+    clipped.cfg.grad_clip, free.cfg.grad_clip = 1e-3, 0.0  # so the clip does act
+    a, b = clipped.train_step(x, y, 0), free.train_step(x, y, 0)
+    grads = lambda tr: [p.grad for _, p in tr.trainable_named_parameters()]  # noqa: E731
+    assert b.grad_norm is not None and b.grad_norm.item() == torch.nn.utils.get_total_norm(grads(free)).item()
+    assert a.grad_norm is not None and a.grad_norm.item() == b.grad_norm.item() > 1e-3  # the same batch and weights
+    assert torch.nn.utils.get_total_norm(grads(clipped)).item() == pytest.approx(1e-3, rel=1e-4)
+
+
 def test_the_step_loss_is_the_mean_of_the_micro_batch_losses():
     (tr, _), x, y = _pair(seed=4)
     full = tr.model(x, y, None, lb_groups=2)
