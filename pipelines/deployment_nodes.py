@@ -25,6 +25,7 @@ from spes.config.loader import to_dict
 from spes.config.schema import Params
 from spes.errors import NodeFailed
 from spes.round.node import committed_report
+from spes.round.progress_line import progress_of
 from spes.run.heartbeat import HeartbeatWatch
 from spes.run.records import NodeReport
 from spes.run.run import Run
@@ -127,7 +128,7 @@ def _run_flow_run(p: Params, run: str, r: int, node: int, timeout_s: float, chec
                 if time.monotonic() >= next_beat:
                     watch.poll()
                     if progress is not None and watch.progress is not None:
-                        progress.node_done(node, watch.progress)
+                        progress.node_done(node, watch.progress, progress_of(watch.event))
                     next_beat = time.monotonic() + beat_every
                     if not waiting_logged and not (state and state.is_running()) and \
                             time.monotonic() - t0 > min(WAITING_LOG_S, o.heartbeat_timeout_s / 2):

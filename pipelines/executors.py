@@ -100,7 +100,7 @@ class ProcessExecutor(NodeExecutor):
             text, event = relayed(line)
             logger.info("node %d | %s", node, text)
             if progress is not None and event is not None:
-                progress.node_done(node, event.fraction)
+                progress.node_done(node, event.fraction, event)
 
         status, report = POOL.get(node).run_round(req, timeout_s, relay, cancelled=stopping.STOPPING.is_set)
         if status == "cancelled":

@@ -13,8 +13,12 @@ LIBRARY_LOGGER = "spes"
 
 
 def relay_library_logs() -> None:
-    """Give the `spes` logger the handlers of Prefect's `prefect.extra` logger (its API handler), once."""
+    """Give the `spes` logger the API handler of Prefect's `prefect.extra` logger, once. Only that one: other
+    handlers found there belong to someone else (pytest attaches its capture handlers to every logger that does
+    not propagate, and a copy of one outlives the test, catching each later record twice)."""
+    from prefect.logging.handlers import APILogHandler
+
     library = logging.getLogger(LIBRARY_LOGGER)
     for handler in logging.getLogger("prefect.extra").handlers:
-        if handler not in library.handlers:
+        if isinstance(handler, APILogHandler) and handler not in library.handlers:
             library.addHandler(handler)

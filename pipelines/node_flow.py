@@ -58,7 +58,7 @@ def spes_node(params: dict, run: str, r: int, node: int, tokens: Optional[str] =
                 text, event = relayed(line)
                 logger.info("node %d | %s", node, text)
                 if event is not None:
-                    beat.progress = event.fraction
+                    beat.progress, beat.event = event.fraction, event.fields()
 
             key = str(flow_run.id)
             try:

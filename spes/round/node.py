@@ -206,6 +206,10 @@ class Trained:
     seconds_compute: float
     state_bytes: int
     grad_norms: list[float]
+    lb_losses: list[float]
+    z_losses: list[float]
+    timeline: list[list[float]]
+    """[local steps done, seconds of compute] at each progress line: tokens/s within the round."""
 
 
 def _data_stream(p: Params, nodes: int, data: TokenData, job: Assignment, batch: int) -> BatchStream:
@@ -244,7 +248,7 @@ def train(ctx: NodeContext, r: int, node: int, data: TokenData, prev: Optional[d
     share = slice(rank * batch // ranks, (rank + 1) * batch // ranks)
     t_load = time.perf_counter() - t0
 
-    losses, norms, tokens, counts = [], [], 0, None
+    losses, norms, aux, timeline, tokens, counts = [], [], [], [], 0, None
     t1 = time.perf_counter()
     first_step = (r - 1) * s.sync_steps
     every = p.orchestration.log_every_steps
@@ -254,17 +258,21 @@ def train(ctx: NodeContext, r: int, node: int, data: TokenData, prev: Optional[d
         losses.append(m.ce)
         if m.grad_norm is not None:
             norms.append(m.grad_norm)
+        if m.lb is not None and m.z is not None:
+            aux.append(torch.stack([m.lb, m.z]))
         tokens += m.tokens
         if m.expert_counts_LE is not None:
             counts = m.expert_counts_LE if counts is None else counts + m.expert_counts_LE
         if every and rank == 0 and ((i + 1) % every == 0 or i + 1 == s.sync_steps):
             _log_progress(node, r, i + 1, s.sync_steps, float(m.ce), tokens, time.perf_counter() - t1)  # a host sync
+            timeline.append([i + 1, time.perf_counter() - t1])
         if on_step is not None:
             on_step(i)
     losses_cpu: list[float] = torch.stack(losses).tolist()  # the round's one wait for the device
     norms_cpu: list[float] = torch.stack(norms).float().tolist() if norms else []
+    aux_cpu: list[list[float]] = torch.stack(aux).tolist() if aux else []
     return Trained(trainer, stream.position, losses_cpu, tokens, counts, device, t_load, time.perf_counter() - t1,
-                   trainer.state_bytes(), norms_cpu)
+                   trainer.state_bytes(), norms_cpu, [a[0] for a in aux_cpu], [a[1] for a in aux_cpu], timeline)
 
 
 def commit(ctx: NodeContext, r: int, node: int, inputs: RoundInputs, t: Trained, trained: dict[str, torch.Tensor],
@@ -298,7 +306,8 @@ def commit(ctx: NodeContext, r: int, node: int, inputs: RoundInputs, t: Trained,
         expert_load=t.counts.cpu().tolist() if t.counts is not None else [], ranks=rank_and_size()[1],
         bytes_down=store.bytes_read - bytes_read0, seconds_load=t.seconds_load, seconds_compute=t.seconds_compute,
         device=str(dev), peak_bytes=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
-        state_bytes=t.state_bytes, grad_norms=t.grad_norms)
+        state_bytes=t.state_bytes, grad_norms=t.grad_norms, lb_losses=t.lb_losses, z_losses=t.z_losses,
+        timeline=t.timeline)
     rel = layout.node_dir(r, node)
     up = BundleWriter(store, rel)
     for fname, parts in files.items():

@@ -28,15 +28,32 @@ class Progress:
     def fraction(self) -> float:
         return self.done / self.steps
 
+    def fields(self) -> dict:
+        return asdict(self)
+
     def line(self) -> str:
         """The event as the node writes it."""
-        return MARKER + json.dumps({"event": "progress", **asdict(self)}, sort_keys=True)
+        return MARKER + json.dumps({"event": "progress", **self.fields()}, sort_keys=True)
 
     def sentence(self) -> str:
         """The event for people (the relays log this)."""
         left = self.seconds / max(self.done, 1) * (self.steps - self.done)
         return (f"node {self.node} round {self.round}: step {self.done}/{self.steps}, loss {self.loss:.4f}, "
                 f"{self.tokens / max(self.seconds, 1e-9):.0f} tokens/s, {left:.0f} s left in the round")
+
+
+def progress_of(fields: object) -> Optional[Progress]:
+    """A progress event from its fields as they travelled (a heartbeat's JSON), else None (damaged or absent)."""
+    if not isinstance(fields, dict):
+        return None
+    try:
+        event = Progress(**fields)
+    except TypeError:
+        return None
+    numbers = (event.node, event.round, event.done, event.steps, event.tokens, event.loss, event.seconds)
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers) or event.steps <= 0:
+        return None
+    return event
 
 
 def parse_progress(line: str) -> Optional[Progress]:
@@ -48,7 +65,7 @@ def parse_progress(line: str) -> Optional[Progress]:
         d = json.loads(line[at + len(MARKER):])
         if d.pop("event") != "progress":
             return None
-        return Progress(**d)
+        return progress_of(d)
     except (ValueError, TypeError, KeyError, AttributeError):
         return None
 

@@ -6,7 +6,10 @@ record already carries every node's per-step losses, its expert load and its tra
 
     train/loss/node<i>         each local step's loss of node i (x: the run's training tokens at that step)
     train/grad_norm/node<i>    each local step's gradient norm on node i, before clipping
+    train/lb_loss/node<i>      each local step's load-balancing term (before its coefficient), MoE only
+    train/z_loss/node<i>       each local step's router z-loss term (before its coefficient), MoE only
     train/tokens_per_s/node<i> node i's training tokens per second of compute in the round
+    train/tokens_per_s_within/node<i>   the same between two progress lines (orchestration.log_every_steps)
     train/lr                   the learning rate of each step (the schedule the nodes follow)
     heldout/loss               the committed global's held-out loss (eval.every_rounds)
     traffic/up_bytes/node<i>   bytes node i wrote for the round, traffic/down_bytes/node<i> what it read
@@ -61,8 +64,10 @@ class RunBoard:
                 assert n.upload is not None
                 if i < len(n.upload.losses):
                     w.add_scalar(f"train/loss/node{n.node}", n.upload.losses[i], x)
-                if i < len(n.upload.grad_norms):
-                    w.add_scalar(f"train/grad_norm/node{n.node}", n.upload.grad_norms[i], x)
+                for tag, values in (("grad_norm", n.upload.grad_norms), ("lb_loss", n.upload.lb_losses),
+                                    ("z_loss", n.upload.z_losses)):
+                    if i < len(values):
+                        w.add_scalar(f"train/{tag}/node{n.node}", values[i], x)
         self.tokens += rec.tokens
         x = self.tokens
         if rec.heldout_loss is not None:
@@ -71,6 +76,8 @@ class RunBoard:
             assert n.upload is not None
             if n.upload.seconds_compute > 0:
                 w.add_scalar(f"train/tokens_per_s/node{n.node}", n.upload.tokens / n.upload.seconds_compute, x)
+            for at, rate in _rates_within(n.upload.timeline, n.upload.tokens / max(1, len(n.upload.losses))):
+                w.add_scalar(f"train/tokens_per_s_within/node{n.node}", rate, round(x - rec.tokens + per_step * at))
             for layer, row in enumerate(n.upload.expert_load):  # each expert's routed rows this round
                 for e, count in enumerate(row):
                     w.add_scalar(f"experts/load/layer{layer}/expert{e:02d}/node{n.node}", count, x)
@@ -87,6 +94,16 @@ class RunBoard:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def _rates_within(timeline: list[list[float]], tokens_per_step: float) -> list[tuple[float, float]]:
+    """(local steps done, tokens per second since the previous progress line) for each progress line."""
+    out, prev_step, prev_s = [], 0.0, 0.0
+    for step, seconds in timeline:
+        if seconds > prev_s and step > prev_step:
+            out.append((step, (step - prev_step) * tokens_per_step / (seconds - prev_s)))
+        prev_step, prev_s = step, seconds
+    return out
 
 
 def _balance(loads: list[list[list[int]]]) -> list[float]:

@@ -31,13 +31,15 @@ class Heartbeat:
         self.beat = 0
         self.progress: Optional[float] = None
         """Share of the round's local steps done, when the node reports it (shown in the round's progress)."""
+        self.event: Optional[dict] = None
+        """The node's last progress event as fields (steps done, loss, tokens, seconds), for the round's view."""
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
     def write(self) -> None:
         self.beat += 1
         body = {"round": self.r, "node": self.node, "beat": self.beat, "host": socket.gethostname(), "pid": os.getpid(),
-                "progress": self.progress}
+                "progress": self.progress, "event": self.event}
         try:
             self.store.write_bytes(self.rel, json.dumps(body).encode())
         except (SpesError, OSError) as e:  # a missed beat is not a failed round; a long silence will be noticed
@@ -69,6 +71,8 @@ class HeartbeatWatch:
         self._changed = time.monotonic()
         self.progress: Optional[float] = None
         """The node's share of the round's local steps done, as its last heartbeat said."""
+        self.event: Optional[dict] = None
+        """The node's last progress event as its heartbeat carried it (fields, unchecked), or None."""
 
     def poll(self) -> None:
         try:
@@ -83,6 +87,8 @@ class HeartbeatWatch:
             return
         if isinstance(beat.get("progress"), (int, float)):
             self.progress = float(beat["progress"])
+        if isinstance(beat.get("event"), dict):
+            self.event = beat["event"]
         if body != self._last:
             self._last, self._changed = body, time.monotonic()
 

@@ -140,6 +140,12 @@ class UploadMeta(Record):
     """Weights, gradients and Adam moments the node's (first) rank held after its last step, counted."""
     grad_norms: list[float] = field(default_factory=list)
     """Each local step's gradient norm before clipping (empty in records written before it was kept)."""
+    lb_losses: list[float] = field(default_factory=list)
+    """Each local step's load-balancing term, before its coefficient (empty: a dense model, or an older record)."""
+    z_losses: list[float] = field(default_factory=list)
+    """Each local step's router z-loss term, before its coefficient (empty: a dense model, or an older record)."""
+    timeline: list[list[float]] = field(default_factory=list)
+    """[local steps done, seconds of compute] at each progress line (orchestration.log_every_steps)."""
     version: int = RECORD_VERSION
 
 

@@ -55,6 +55,10 @@ class StepMetrics:
     expert_counts_LE: Optional[torch.Tensor]
     grad_norm: Optional[torch.Tensor] = None
     """The L2 norm of the node's gradients of what it trains before clipping (0-dim, on the device)."""
+    lb: Optional[torch.Tensor] = None
+    """The load-balancing term of the step (before its coefficient; 0-dim, on the device; None: dense)."""
+    z: Optional[torch.Tensor] = None
+    """The router z-loss term of the step (before its coefficient; 0-dim, on the device; None: dense)."""
 
 
 class NodeTrainer:
@@ -135,7 +139,7 @@ class NodeTrainer:
         k = B // mb
         lb_weight = self._lb_expert_weight(step)
         self.optimizer.zero_grad(set_to_none=True)
-        ce, counts = None, None
+        ce, counts, aux = None, None, None
         for i in range(k):
             x = input_ids_BS[i * mb:(i + 1) * mb].to(self.device, non_blocking=True)
             y = labels_BS[i * mb:(i + 1) * mb].to(self.device, non_blocking=True)
@@ -145,6 +149,9 @@ class NodeTrainer:
             with self._no_sync(not last):
                 (out.loss / k).backward()  # the step's loss is the mean over its micro-batches
             ce = out.ce.detach() / k if ce is None else ce + out.ce.detach() / k
+            if out.lb is not None and out.z is not None:  # watched, not trained on: detached, as ce
+                terms = torch.stack([out.lb.detach(), out.z.detach()]).float() / k
+                aux = terms if aux is None else aux + terms
             if out.expert_counts_LE is not None:
                 counts = out.expert_counts_LE if counts is None else counts + out.expert_counts_LE
         params = [p for _, p in self.trainable_named_parameters()]
@@ -158,7 +165,9 @@ class NodeTrainer:
         tokens = B * input_ids_BS.shape[1]
         if self.ranks > 1:  # report the node's step: mean loss, all ranks' tokens and expert loads
             ce, counts, tokens = _node_totals(ce, counts, tokens)
-        return StepMetrics(ce, tokens, counts, norm.detach())
+            aux = _node_mean(aux)
+        lb, z = (aux[0], aux[1]) if aux is not None else (None, None)
+        return StepMetrics(ce, tokens, counts, norm.detach(), lb, z)
 
     def _no_sync(self, skip: bool):
         """Gradients are reduced over the ranks in the last micro-batch's backward only."""
@@ -286,6 +295,17 @@ def _node_totals(ce: torch.Tensor, counts: Optional[torch.Tensor], tokens: int):
         counts = counts.clone()
         dist.all_reduce(counts)
     return ce / world, counts, int(tok.item())
+
+
+def _node_mean(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The mean over the node's ranks of a per-rank value (every rank calls it, or none: t is None on all)."""
+    if t is None:
+        return None
+    import torch.distributed as dist
+
+    t = t.clone()
+    dist.all_reduce(t)
+    return t / dist.get_world_size()
 
 
 FROZEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -1,5 +1,6 @@
 """The training flow through real Prefect, node processes and storage: resume, faults, quorum, locks, S3."""
 import glob
+import re
 import shutil
 
 import pytest
@@ -54,6 +55,9 @@ def _check_round_progress(run: str, r: int) -> None:
     with get_client(sync_client=True) as client:
         found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
     assert found and float(found[0].data) == 100.0, found
+    # each node's row: its steps done of the round's and its last loss, from its progress events
+    rows = [line for line in (found[0].description or "").splitlines() if re.match(r"\| \d", line)]
+    assert len(rows) == 2 and all(re.match(r"\| \d \| (\d+)/\1 \| \d+\.\d{4} \| [\d,]+ \|$", x) for x in rows), rows
 
 
 def test_resume_from_a_checkpoint_round_equals_uninterrupted(project, reference, caplog):
@@ -193,13 +197,23 @@ def test_the_librarys_warnings_reach_the_prefect_log_however_prefect_was_importe
     from prefect import flow
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
     from prefect.runtime import flow_run
 
     from pipelines.library_logs import relay_library_logs
 
+    relayed: list = []
+
+    foreign = logging.NullHandler()  # as pytest's capture handlers, which it attaches to `prefect.extra` too
+
     @flow
     def warns() -> str:
-        relay_library_logs()
+        logging.getLogger("prefect.extra").addHandler(foreign)
+        try:
+            relay_library_logs()
+        finally:
+            logging.getLogger("prefect.extra").removeHandler(foreign)
+        relayed.extend(logging.getLogger("spes").handlers)
         logging.getLogger("spes.run.run").warning("committed round 3 is damaged (a test)")
         return flow_run.id
 
@@ -210,6 +224,9 @@ def test_the_librarys_warnings_reach_the_prefect_log_however_prefect_was_importe
         run_id = warns()
     finally:
         library.handlers[:] = saved
+    # Prefect's API handler only: someone else's handler on `prefect.extra` stays off the library's logger (a copy
+    # of pytest's outlived its test and caught each later warning twice)
+    assert [type(h) for h in relayed] == [APILogHandler]
     for handler in logging.getLogger("prefect.extra").handlers:
         handler.flush()  # the API handler sends in batches
     with get_client(sync_client=True) as client:

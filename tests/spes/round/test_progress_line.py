@@ -1,6 +1,6 @@
 import json
 
-from spes.round.progress_line import MARKER, Progress, parse_progress, relayed
+from spes.round.progress_line import MARKER, Progress, parse_progress, progress_of, relayed
 
 
 def test_a_progress_event_round_trips_through_log_formatting():
@@ -19,3 +19,11 @@ def test_the_relays_read_fields_not_wording():
     assert parse_progress(MARKER + json.dumps(d)) is None  # a field it does not know: not taken on trust
     assert parse_progress(MARKER + "{not json") is None
     assert parse_progress(MARKER + json.dumps({"event": "result"})) is None
+
+
+def test_an_event_travels_as_fields_and_damaged_fields_are_no_event():
+    ev = Progress(1, 3, 10, 50, 3.8099, 10046, 1.0)
+    assert progress_of(json.loads(json.dumps(ev.fields()))) == ev  # as a heartbeat carries it
+    for bad in (None, "x", {}, {**ev.fields(), "steps": 0}, {**ev.fields(), "loss": "low"},
+                {**ev.fields(), "done": True}, {**ev.fields(), "extra": 1}):
+        assert progress_of(bad) is None, bad

@@ -19,7 +19,9 @@ def _record(r: int, losses: dict, heldout=None) -> RoundRecord:
                         codec="fp32", state=StateRef(r, "d", False), step_end=r * len(ls), loss_first=ls[0],
                         loss_last=ls[-1], loss_mean=sum(ls) / len(ls), losses=ls, expert_load=[[3, 1], [2, 2]],
                         ranks=1, bytes_down=1000 + node, seconds_load=0.1, seconds_compute=0.5, device="cpu",
-                        grad_norms=[2.0 + node + 0.5 * i for i in range(len(ls))])
+                        grad_norms=[2.0 + node + 0.5 * i for i in range(len(ls))],
+                        lb_losses=[1.0 + 0.25 * i for i in range(len(ls))], z_losses=[0.5 * node] * len(ls),
+                        timeline=[[1, 0.1], [2, 0.5]])
         nodes.append(NodeReport(node, "ok", up, bytes_up=2000 + node))
     agg = GlobalMeta(round=r, step=r * 2, model_config={}, merge_alpha=0.05 * r)
     return RoundRecord(round=r, wall_s=1.5, max_node_compute_s=1.0, nodes=nodes, aggregate=agg, heldout_loss=heldout,
@@ -53,6 +55,10 @@ def test_the_events_hold_the_records_numbers_at_token_counts(tmp_path):
     assert ev["experts/balance/layer0"] == [(400, 1.5), (800, 1.5)]  # (6, 2) over both nodes: 6 / 4
     assert ev["train/grad_norm/node1"] == [(200, 3.0), (400, 3.5), (600, 3.0), (800, 3.5)]
     assert ev["train/tokens_per_s/node0"] == [(400, 400.0), (800, 400.0)]  # 200 tokens in 0.5 s
+    assert ev["train/lb_loss/node0"] == [(200, 1.0), (400, 1.25), (600, 1.0), (800, 1.25)]
+    assert ev["train/z_loss/node1"] == [(200, 0.5), (400, 0.5), (600, 0.5), (800, 0.5)]
+    # progress lines after step 1 (0.1 s) and step 2 (0.5 s), 100 tokens a step: 1000 then 250 tokens/s
+    assert ev["train/tokens_per_s_within/node0"] == [(200, 1000.0), (400, 250.0), (600, 1000.0), (800, 250.0)]
     assert ev["experts/load/layer1/expert00/node0"] == [(400, 2.0), (800, 2.0)]
     assert ev["experts/load/layer0/expert00/node1"] == [(400, 3.0), (800, 3.0)]
 

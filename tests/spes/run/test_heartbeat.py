@@ -35,3 +35,14 @@ def test_a_beat_of_another_round_or_none_at_all_counts_as_silence(tmp_path):
     Heartbeat(store, "r", 4, 0, interval_s=1).write()
     watch.poll()
     assert watch.silent_s() < 0.2
+
+
+def test_the_nodes_last_progress_event_rides_on_its_heartbeat(tmp_path):
+    store = Store(str(tmp_path / "s"))
+    beat = Heartbeat(store, "r", 2, 1, interval_s=1)
+    beat.progress, beat.event = 0.2, {"node": 1, "round": 2, "done": 10, "steps": 50, "loss": 3.5, "tokens": 100,
+                                      "seconds": 1.0}
+    beat.write()
+    watch = HeartbeatWatch(store, "r", 2, 1)
+    watch.poll()
+    assert watch.progress == 0.2 and watch.event == beat.event

@@ -118,6 +118,19 @@ def test_a_step_reports_its_gradient_norm_before_clipping():
     assert torch.nn.utils.get_total_norm(grads(clipped)).item() == pytest.approx(1e-3, rel=1e-4)
 
 
+def test_a_step_reports_its_load_balance_and_z_terms_as_the_model_computes_them():
+    """The step's lb and z terms (watched in TensorBoard) are the model's on the step's weights, meaned over
+    micro-batches like ce: reported, not trained on twice (the weights after the step are unchanged by it)."""
+    (tr, ref), x, y = _pair(seed=5)
+    tr.micro_batch_size = 2
+    parts = [ref.model(x[i:i + 2], y[i:i + 2]) for i in (0, 2)]  # before either step: the same weights
+    m = tr.train_step(x, y, 0)
+    assert m.lb is not None and m.z is not None
+    assert m.lb.item() == pytest.approx(((parts[0].lb + parts[1].lb) / 2).item(), rel=1e-6)
+    assert m.z.item() == pytest.approx(((parts[0].z + parts[1].z) / 2).item(), rel=1e-6)
+    assert not m.lb.requires_grad and not m.z.requires_grad
+
+
 def test_the_step_loss_is_the_mean_of_the_micro_batch_losses():
     (tr, _), x, y = _pair(seed=4)
     full = tr.model(x, y, None, lb_groups=2)
