@@ -132,11 +132,7 @@ def _run_flow_run(p: Params, run: str, r: int, node: int, timeout_s: float, chec
                     next_beat = time.monotonic() + beat_every
                     if not waiting_logged and not (state and state.is_running()) and \
                             time.monotonic() - t0 > min(WAITING_LOG_S, o.heartbeat_timeout_s / 2):
-                        waiting_logged = True
-                        get_run_logger().warning(
-                            "node %d round %d: waiting for a runner of %s (its flow run %s for %.0f s; lost after "
-                            "%.0f s without a heartbeat)", node, r, name, state.name if state else "not scheduled",
-                            time.monotonic() - t0, o.heartbeat_timeout_s)
+                        waiting_logged = _log_waiting(node, r, name, state, time.monotonic() - t0, o.heartbeat_timeout_s)
                 if watch.silent_s() > o.heartbeat_timeout_s:
                     _cancel_flow_run(fr.id, state)
                     raise NodeLost(f"node {node} round {r}: lost: no heartbeat for {watch.silent_s():.0f} s "
@@ -145,13 +141,26 @@ def _run_flow_run(p: Params, run: str, r: int, node: int, timeout_s: float, chec
                 time.sleep(POLL_S)
         finally:
             stopping.unregister(fr.id)
+    return "ok", _final_report(store, run, r, node, state)
+
+
+def _log_waiting(node: int, r: int, name: str, state, waited_s: float, lost_after_s: float) -> bool:
+    """Say once that nobody has picked up the node's flow run yet (its machine down, or not serving)."""
+    get_run_logger().warning("node %d round %d: waiting for a runner of %s (its flow run %s for %.0f s; lost after "
+                             "%.0f s without a heartbeat)", node, r, name, state.name if state else "not scheduled",
+                             waited_s, lost_after_s)
+    return True
+
+
+def _final_report(store: Store, run: str, r: int, node: int, state) -> NodeReport:
+    """The node's committed report once its flow run ended: NodeFailed with the node's own error otherwise."""
     if not state.is_completed():
         why = f": {state.message}" if state.message else ""  # the node's own error, as its flow run reported it
         raise NodeFailed(f"node {node} round {r}: deployment run ended {state.name}{why}")
     report = committed_report(store, run, r, node)
     if report is None:
         raise NodeFailed(f"node {node} round {r}: its deployment run completed but no upload is committed")
-    return "ok", report
+    return report
 
 
 def _cancel_flow_run(flow_run_id, state=None) -> None:

@@ -31,7 +31,9 @@ from prefect import flow, get_run_logger
 from pipelines.library_logs import relay_library_logs
 from pipelines.node_host import HOST_ENV, host_round
 from pipelines.request import NodeRequest
+from spes.cli import run_command
 from spes.config.loader import params_from_dict
+from spes.errors import MissingInput, UsageError
 from spes.round.progress_line import relayed
 from spes.run.heartbeat import Heartbeat
 from spes.storage.files import FileStore
@@ -93,7 +95,7 @@ def parse_nodes(text: str) -> list[int]:
     for part in filter(None, (t.strip() for t in text.split(","))):
         lo, _, hi = part.partition("-")
         if not lo.isdigit() or (hi and not hi.isdigit()):
-            raise SystemExit(f"node_flow: --nodes {text!r}: expected node ids like 0,1 or 0-3")
+            raise UsageError(f"--nodes {text!r}: expected node ids like 0,1 or 0-3")
         out.extend(range(int(lo), int(hi or lo) + 1))
     return sorted(set(out))
 
@@ -126,11 +128,11 @@ def main() -> None:
     ap.add_argument("--poll-s", type=float, default=0.25, help="seconds between the runner's queries for new runs")
     a = ap.parse_args()
     if not os.environ.get("PREFECT_API_URL"):  # else it would serve against a temporary server nobody sees
-        raise SystemExit("node_flow: PREFECT_API_URL is not set; point it at the orchestrator's Prefect server, "
-                         "e.g. export PREFECT_API_URL=http://<orchestrator>:4200/api")
+        raise MissingInput("PREFECT_API_URL is not set; point it at the orchestrator's Prefect server, "
+                           "e.g. export PREFECT_API_URL=http://<orchestrator>:4200/api")
     nodes = parse_nodes(a.nodes)
     if not nodes and not a.spare:
-        raise SystemExit("node_flow: name the nodes this machine holds (--nodes 0,1) and/or --spare")
+        raise UsageError("name the nodes this machine holds (--nodes 0,1) and/or --spare")
     names = [a.name.replace("{node}", str(i)) for i in nodes] + ([a.name.replace("{node}", SPARE)] if a.spare else [])
     host = NodeHost(None if a.spare else nodes, a.limit or default_limit(len(names)))
     os.environ[HOST_ENV] = host.path  # the flow runs of this process find the host through it
@@ -153,4 +155,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -12,7 +12,9 @@ import argparse
 import os
 
 from pipelines.training import spes_training
+from spes.cli import run_command
 from spes.config.loader import load_params
+from spes.errors import UsageError
 
 
 def main() -> None:
@@ -29,9 +31,9 @@ def main() -> None:
     if os.path.exists(init):
         params["init_path"] = os.path.abspath(init)
     elif a.init:
-        raise SystemExit(f"serve: --init {a.init!r} does not exist")
+        raise UsageError(f"--init {a.init!r} does not exist")
     spes_training.serve(name=a.name, parameters=params)
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

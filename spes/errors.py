@@ -1,9 +1,10 @@
 """Every error the library raises on purpose, under one root.
 
-`SpesError` is the root: an entry point turns any of them into one line naming the problem (stages/common.py);
-anything else is a bug and keeps its traceback. The families say whose fault it is:
+`SpesError` is the root: every command line turns any of them into one line naming the problem
+(spes/cli.py); anything else is a bug and keeps its traceback. The families say whose fault it is:
 
     ConfigError    a setting (params.yaml, an override, a preset), caught before any compute or write
+    UsageError     a command line's arguments; MissingInput: what a command needs and is not there yet
     DataError      a corpus, a tokenizer or token shards
     ModelError     a checkpoint or an architecture (HF import/export, upcycling)
     StorageError   shared storage: a missing, damaged or unsafe file, storage that does not answer
@@ -159,6 +160,16 @@ def retryable(e: BaseException) -> bool:
     if isinstance(e, NodeFailed):
         return e.retryable
     return not isinstance(e, SpesError) or isinstance(e, StoreUnavailable)
+
+
+# -- command lines -----------------------------------------------------------------------------------
+class UsageError(SpesError, ValueError):
+    """A command line's arguments that cannot be carried out as given (a malformed or missing option)."""
+
+
+class MissingInput(SpesError, RuntimeError):
+    """What a command needs and is not there yet: an earlier stage's output, a committed round, a setting of
+    the environment (the message says how to make it)."""
 
 
 # -- orchestration -----------------------------------------------------------------------------------

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 
+from spes.cli import run_command
 from spes.config.loader import load_params
-from spes.errors import MembershipError, SpesError
+from spes.errors import MembershipError, SpesError, UsageError
 from spes.run.membership import latest_membership, request
 from spes.storage.store import Store
 from spes.sync.methods import sync_method
-from spes.train.plan import max_experts_fitting, parse_bytes
+from spes.train.capacity import max_experts_fitting
+from spes.train.plan import parse_bytes
 
 
 def main(argv=None) -> None:
@@ -51,11 +53,13 @@ def main(argv=None) -> None:
             cap = max_experts_fitting(p.model, p.spes, parse_bytes(a.gpu_mem, "--gpu-mem"), p.orchestration.gpus_per_node,
                                       f"node {a.node}")
         request(store, run, method, a.action, a.node, cap, p.orchestration.min_nodes)
-    except (SpesError, ValueError) as e:  # any error on purpose (a damaged record too): one line
-        raise SystemExit(f"error: {e}")
+    except ValueError as e:  # a builtin one from below (e.g. a malformed number): as a usage error
+        if isinstance(e, SpesError):
+            raise
+        raise UsageError(str(e)) from None
     print(f"run {run}: node {a.node} will {a.action} at the next round boundary"
           + (f" (owning at most {cap} experts per layer)" if cap is not None else ""))
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from spes.errors import ConfigError
+from spes.cli import run_command
+from spes.train.capacity import capacity_plan
 from spes.train.link_plan import DEFAULT_MFU, DEFAULT_TFLOPS, link_plan, link_report, parse_duration, parse_rate
 from spes.train.plan import __doc__ as PLAN_DOC
-from spes.train.plan import capacity_plan, gib, parse_bytes, report, summary
+from spes.train.plan import gib, parse_bytes, report, summary
 
 
 def main() -> None:
@@ -27,18 +28,15 @@ def main() -> None:
     ap.add_argument("--mfu", type=float, default=DEFAULT_MFU, help="model FLOPs utilization (default %(default)s)")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_intermixed_args()  # overrides anywhere on the line
-    try:
-        p = load_params(a.params, a.overrides)
-        gpu_mem = parse_bytes(a.gpu_mem, "--gpu-mem") if a.gpu_mem is not None else None
-        link = None if a.link is None else link_plan(
-            p.model, p.spes, p.sync, p.orchestration.gpus_per_node, parse_rate(a.link, "--link"),
-            parse_duration(a.rtt, "--rtt"), parse_rate(a.storage_link, "--storage-link") if a.storage_link else None,
-            a.tflops, a.mfu)
-        if a.nodes:
-            cp = capacity_plan(p.model, p.spes, [parse_bytes(x, "--nodes") for x in a.nodes.split(",")],
-                               p.orchestration.gpus_per_node)
-    except (ConfigError, ValueError) as e:
-        raise SystemExit(f"config error: {e}")
+    p = load_params(a.params, a.overrides)  # a ConfigError ends the command in one line (spes.cli)
+    gpu_mem = parse_bytes(a.gpu_mem, "--gpu-mem") if a.gpu_mem is not None else None
+    link = None if a.link is None else link_plan(
+        p.model, p.spes, p.sync, p.orchestration.gpus_per_node, parse_rate(a.link, "--link"),
+        parse_duration(a.rtt, "--rtt"), parse_rate(a.storage_link, "--storage-link") if a.storage_link else None,
+        a.tflops, a.mfu)
+    if a.nodes:
+        cp = capacity_plan(p.model, p.spes, [parse_bytes(x, "--nodes") for x in a.nodes.split(",")],
+                           p.orchestration.gpus_per_node)
     if a.nodes:
         for i, (c, cap, peak, mem) in enumerate(zip(cp["experts_per_node"], cp["max_experts_per_node"],
                                                     cp["peak_bytes"], cp["memory_bytes"])):
@@ -57,4 +55,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
+from spes.cli import run_command
 from spes.config.loader import load_params
 from spes.config.schema import Params
-from spes.errors import ConfigError, SpesError
 from spes.storage.atomic import write_json  # noqa: F401  (the stages write their JSON through it)
 
 
@@ -19,11 +18,7 @@ def parse(description: str, stages: tuple[str, ...] = ()) -> tuple[argparse.Name
     ap.add_argument("--params", default="params.yaml", help="the params file (default: params.yaml)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the params file, e.g. spes.rounds=12")
     a = ap.parse_intermixed_args()  # overrides anywhere on the line, as OmegaConf/Hydra users expect
-    try:
-        return a, load_params(a.params, a.overrides)
-    except ConfigError as e:
-        print(f"config error: {e}{experiment_hint()}", file=sys.stderr)
-        raise SystemExit(2)
+    return a, load_params(a.params, a.overrides)  # a ConfigError ends the stage in one line (run)
 
 
 TIMING_KEYS = ("seconds", "encode_seconds", "tokens_per_s", "round_wall_s_mean", "heldout_s_mean",
@@ -62,17 +57,7 @@ def experiment_hint() -> str:
 
 
 def run(main) -> None:
-    """Run a stage's main: any SpesError (bad input, a damaged file, storage, the round protocol) ends the
-    stage with one line on stderr naming the problem (exit 2 for settings, 1 otherwise), not a traceback."""
-    name = os.path.basename(sys.argv[0]).removesuffix(".py") if sys.argv and sys.argv[0] else "stage"
-    try:
-        main()
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        raise SystemExit(2)
-    except SpesError as e:
-        print(f"{name}: {type(e).__name__}: {e}", file=sys.stderr)
-        raise SystemExit(1)
-    except KeyboardInterrupt as e:  # SIGINT/SIGTERM (pipelines.stopping.stop_on_signals): the rounds so far stay
-        print(f"{name}: {e or 'interrupted'}; committed rounds are kept, resume with the same command", file=sys.stderr)
-        raise SystemExit(130)
+    """Run a stage's main: any SpesError (bad settings, a damaged file, storage, the round protocol) ends the
+    stage with one line on stderr naming the problem (exit 2 for settings, 1 otherwise), not a traceback; a
+    settings error in a workspace `dvc exp run` says what DVC did to params.yaml."""
+    run_command(main, hint=experiment_hint, interrupted="committed rounds are kept, resume with the same command")

@@ -22,6 +22,7 @@ import os
 import sys
 import tempfile
 
+from spes.errors import MissingInput, ModelError, UsageError
 from stages.common import prefect_env_defaults, run, write_json
 
 
@@ -51,9 +52,9 @@ def _variant_init(p, vp, folder: str) -> str:
         with open(record_path) as f:
             record = json.load(f)
     except ValueError as e:  # damaged: never silently taken for another recipe's model
-        raise SystemExit(f"compare: {record_path}: not an initial model's config ({e})") from None
+        raise ModelError(f"{record_path}: not an initial model's config ({e})") from None
     if not isinstance(record, dict):
-        raise SystemExit(f"compare: {record_path}: not an initial model's config (a JSON object)")
+        raise ModelError(f"{record_path}: not an initial model's config (a JSON object)")
     source = init_source(vp.init, p.artifacts_dir)
     if made_by(record, vp.model, vp.init, source):
         return os.path.join(main, "model.safetensors")
@@ -68,15 +69,16 @@ def run_cell(a) -> None:
     import torch
 
     from spes.data.tokens import TokenData, window_documents
-    from spes.eval.compare import Cell, clustered_se, variant_params
+    from spes.eval.compare import Cell, variant_params
     from spes.eval.heldout import heldout_loss
+    from spes.eval.stats import clustered_se
     from spes.run.run import Run
     from spes.storage.store import Store
     from spes.train.plan import node_memory
 
     p, _ = _load(a.params)
     if a.variant not in p.compare.variants:
-        raise SystemExit(f"compare: no variant {a.variant!r} in compare.variants ({sorted(p.compare.variants)})")
+        raise UsageError(f"no variant {a.variant!r} in compare.variants ({sorted(p.compare.variants)})")
     cell = Cell(a.variant, int(a.seed), float(a.lr), int(a.budget))
     vp = variant_params(p, cell.variant, cell.seed, cell.lr, cell.budget)
     overrides = list(p.compare.variants[cell.variant]) + [
@@ -126,7 +128,8 @@ def run_cell(a) -> None:
 
 
 def report(a) -> None:
-    from spes.eval.compare import CSV_COLUMNS, PAIR_COLUMNS, cells, report_markdown, summarize
+    from spes.eval.compare import CSV_COLUMNS, PAIR_COLUMNS, cells, summarize
+    from spes.eval.report import report_markdown
 
     p, node_memory = _load(a.params)
     out = a.dir or os.path.join(p.artifacts_dir, "compare")
@@ -140,7 +143,7 @@ def report(a) -> None:
         with open(f) as fh:
             results.append(json.load(fh))
     if missing:
-        raise SystemExit(f"compare report: no result for {missing} (run `dvc repro compare/dvc.yaml`)")
+        raise MissingInput(f"report: no result for {missing} (run `dvc repro compare/dvc.yaml`)")
     summary = summarize(p, results)
     summary["node_memory"] = node_memory
     md = report_markdown(p, summary)
@@ -199,7 +202,7 @@ def study_name(params_path: str) -> str:
     """configs/compare-merge.yaml -> 'merge': where its DVC file (compare/merge/) and results go."""
     base = os.path.splitext(os.path.basename(params_path))[0]
     if not base.startswith(STUDY_PREFIX) or base == STUDY_PREFIX:
-        raise SystemExit(f"compare dvcfile: {params_path} is not a study preset (configs/{STUDY_PREFIX}<study>.yaml)")
+        raise UsageError(f"dvcfile: {params_path} is not a study preset (configs/{STUDY_PREFIX}<study>.yaml)")
     return base[len(STUDY_PREFIX):]
 
 

@@ -13,6 +13,7 @@ import csv
 import os
 import sys
 
+from spes.errors import MissingInput
 from stages.common import out_dir, parse, run, write_json
 
 UNTRAINED_SEED_OFFSET = 1
@@ -62,7 +63,7 @@ def main() -> None:
     data = TokenData.open(os.path.join(p.artifacts_dir, "tokens"))
     rounds = run.committed_rounds()
     if not rounds:
-        raise SystemExit(f"evaluate: run {run.name!r} has no committed rounds on {run.store.url}")
+        raise MissingInput(f"run {run.name!r} has no committed rounds on {run.store.url}")
     device = resolve_device(p.orchestration.device)
 
     def evaluate(model, what: str):

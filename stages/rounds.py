@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+from spes.errors import MissingInput
 from stages.common import out_dir, prefect_env_defaults, run, write_json, write_metrics
 
 
@@ -26,7 +27,7 @@ def main() -> None:
     executor.preflight(p)
     init = os.path.join(p.artifacts_dir, "init", "model.safetensors")
     if not os.path.exists(init):  # say so at once, not after the Prefect server and the nodes started
-        raise SystemExit(f"rounds: {init} does not exist: run the earlier stages first (dvc repro upcycle)")
+        raise MissingInput(f"{init} does not exist: run the earlier stages first (dvc repro upcycle)")
     prefect_env_defaults()
     from pipelines.prefect_api import prefect_api
 
@@ -37,15 +38,20 @@ def main() -> None:
         from pipelines.training import spes_training
 
         stop_on_signals()
-        from spes.run.layout import MODEL_FILE
-        from spes.run.run import Run
-        from spes.storage.store import Store
-
         out = spes_training(params_path=a.params, overrides=a.overrides, stage=stage,
                             run_name=p.orchestration.run_name,
                             init_path=os.path.join(p.artifacts_dir, "init", "model.safetensors"),
                             on_mismatch="error")
-    # the stage's rounds as committed on storage, whether run now or by an earlier (resumed) invocation
+    _write_outputs(p, stage, out)
+
+
+def _write_outputs(p, stage: str, out: dict) -> None:
+    """summary.json, metrics.json and timings.json of the stage: its rounds as committed on storage, whether
+    run now or by an earlier (resumed) invocation."""
+    from spes.run.layout import MODEL_FILE
+    from spes.run.run import Run
+    from spes.storage.store import Store
+
     first, last = (1, p.spes.warmup_rounds) if stage == "warmup" else (p.spes.warmup_rounds + 1, p.spes.rounds)
     run = Run(Store.from_config(p.storage), out["run"])
     rounds = run.records(first, last)

@@ -17,22 +17,19 @@ def main() -> None:
     from safetensors.torch import save_file
 
     from spes.data.tokens import TokenData, check_vocab
-    from spes.errors import DataError, HFConversionError, UpcycleError
+    from spes.errors import HFConversionError, UpcycleError
     from spes.model.initial import init_record, init_source, initial_model
 
     d = out_dir(p, "init")
     tokens = os.path.join(p.artifacts_dir, "tokens")
     data = TokenData.open(tokens)
-    try:
-        check_vocab(p.model.vocab_size, data, tokens)
-    except DataError as e:
-        raise SystemExit(f"upcycle: {e}")
+    check_vocab(p.model.vocab_size, data, tokens)  # a DataError names the mismatch
     metrics: dict = {"mode": p.init.mode}
     source = init_source(p.init, p.artifacts_dir)
     try:
         model, dense = initial_model(p.model, p.init, p.artifacts_dir)
     except (HFConversionError, UpcycleError) as e:
-        raise SystemExit(f"upcycle: {source}: {e}")
+        raise type(e)(f"{source}: {e}") from None
     if dense is not None:  # how far the upcycled MoE is from the dense function (0 up to float error with no
         x = torch.from_numpy(data.val.read(0, 2 * 64).astype("int64")).view(2, 64)  # noise + normalized gates)
         with torch.no_grad():

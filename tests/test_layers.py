@@ -1,6 +1,6 @@
 """The house stays as built: imports point down the layers only, and no module imports itself in a cycle.
 
-    spes.errors  <  spes.config  <  spes.model | spes.data | spes.storage  <  spes.sync  <  spes.train | spes.eval
+    spes.errors  <  spes.cli  <  spes.config  <  spes.model | spes.data | spes.storage  <  spes.sync  <  spes.train | spes.eval
                  <  spes.plan  <  spes.run  <  spes.round | spes.members  <  pipelines  <  stages
 
 A module may import from its own package and from any lower layer, never from a sibling package of its own
@@ -14,6 +14,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [
     ("spes.errors",),
+    ("spes.cli",),
     ("spes.config",),
     ("spes.model", "spes.data", "spes.storage"),
     ("spes.sync",),

@@ -137,13 +137,12 @@ def main() -> None:
     ap.add_argument("--set-params", action="store_true")
     ap.add_argument("--base", default="params.yaml")
     a = ap.parse_args()
-    try:
-        p = load_params(a.path)
-        flags = overrides_between(load_params(a.base), p, written_keys(a.base)) if a.set_params else None
-    except ConfigError as e:
-        raise SystemExit(f"config error: {e}")
+    p = load_params(a.path)  # a ConfigError ends the command in one line (spes.cli)
+    flags = overrides_between(load_params(a.base), p, written_keys(a.base)) if a.set_params else None
     print(" ".join(f"-S {shlex.quote(o)}" for o in flags) if flags is not None else f"{a.path}: valid")
 
 
 if __name__ == "__main__":
-    main()
+    from spes.cli import run_command
+
+    run_command(main)

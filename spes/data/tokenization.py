@@ -195,23 +195,29 @@ def ids_with_eos(encodings, eos_id: int, dtype: np.dtype, ends: Optional[list[bo
     return out, eos_at + 1
 
 
-def tokenize_corpus(docs: Iterable[str], out_dir: str, vocab_size: int, tokenizer: Optional[str] = None,
-                    val_fraction: float = 0.12, seed: int = 0, shard_tokens: int = 1 << 28,
-                    bpe_sample_docs: int = 20000, eos_token: Optional[str] = None, progress: bool = False) -> dict:
-    """Write tokenizer.json, the shards of both splits and meta.json into `out_dir`; return the stats."""
-    os.makedirs(out_dir, exist_ok=True)
-    docs = iter(docs)
+def _tokenizer_for(docs: Iterator[str], vocab_size: int, tokenizer: Optional[str], eos_token: Optional[str],
+                   bpe_sample_docs: int) -> tuple[LoadedTokenizer, Iterator[str]]:
+    """The given tokenizer, or a byte-level BPE trained on the corpus' first `bpe_sample_docs` documents (then
+    the documents again from the first): refused when it has more tokens than the model's vocabulary."""
     if tokenizer is None:
         sample = list(itertools.islice(docs, bpe_sample_docs))
         tok = LoadedTokenizer(train_bpe([p for d in sample for p in pieces(d)], vocab_size), 0, 0)
         tok.eos_id, tok.vocab = tok.tokenizer.token_to_id(EOS), tok.tokenizer.get_vocab_size()
         docs = itertools.chain(sample, docs)
-        del sample
     else:
         tok = load_tokenizer(tokenizer, eos_token)
     if tok.vocab > vocab_size:
         raise CorpusError(f"tokenizer has {tok.vocab} tokens but model.vocab_size is {vocab_size}; raise "
                           "model.vocab_size")
+    return tok, docs
+
+
+def tokenize_corpus(docs: Iterable[str], out_dir: str, vocab_size: int, tokenizer: Optional[str] = None,
+                    val_fraction: float = 0.12, seed: int = 0, shard_tokens: int = 1 << 28,
+                    bpe_sample_docs: int = 20000, eos_token: Optional[str] = None, progress: bool = False) -> dict:
+    """Write tokenizer.json, the shards of both splits and meta.json into `out_dir`; return the stats."""
+    os.makedirs(out_dir, exist_ok=True)
+    tok, docs = _tokenizer_for(iter(docs), vocab_size, tokenizer, eos_token, bpe_sample_docs)
     tok.tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
     dtype = token_dtype(vocab_size)
     writers = {s: ShardWriter(out_dir, s, dtype, shard_tokens) for s in ("train", "val")}

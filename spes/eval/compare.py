@@ -8,7 +8,6 @@ the data, the init recipe or the token count are refused before anything trains.
 """
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -18,7 +17,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from spes.config.loader import params_from_dict, to_dict
 from spes.config.schema import Params, check_name
-from spes.errors import ConfigError, DataError
+from spes.errors import ConfigError
+from spes.eval.stats import mean_std, over_seeds, paired_difference, seed_differences, seed_se, verdict
 from spes.sync.methods import sync_method
 
 FIXED_PREFIXES = ("tokenize.", "init.", "dense.", "storage.", "artifacts_dir", "orchestration.run_name", "compare.",
@@ -114,66 +114,14 @@ def cells(p: Params) -> list[Cell]:
     return [Cell(v, s, lr, b) for v in c.variants for s in c.seeds for lr in c.lrs for b in c.budgets]
 
 
-# -- the report -----------------------------------------------------------------------------------------
-def _mean_std(xs: list[float]) -> tuple[float, float]:
-    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
-
-
-def clustered_se(values: list[float], clusters: Optional[list[int]] = None) -> float:
-    """Standard error of the mean of `values`, clustered by `clusters` (windows of one document share its
-    topic and style: treating them as independent understated the SE about 10x on the default held-out split).
-    Sandwich estimator with the G/(G-1) correction; without clusters, every value its own cluster."""
-    n = len(values)
-    if n < 2:
-        return 0.0
-    clusters = clusters if clusters is not None else list(range(n))
-    if len(clusters) != n:
-        raise DataError(f"{n} values but {len(clusters)} cluster labels")
-    mean = statistics.fmean(values)
-    sums: dict[int, float] = {}
-    for v, g in zip(values, clusters):
-        sums[g] = sums.get(g, 0.0) + (v - mean)
-    groups = len(sums)
-    if groups < 2:
-        return float("nan")
-    return math.sqrt(groups / (groups - 1) * sum(s * s for s in sums.values())) / n
-
-
-def _seed_differences(runs: list[dict], base_runs: list[dict]) -> list[tuple[float, float]]:
-    """Per seed both ran (in `runs`' order) with the same held-out windows: the mean of (loss - baseline loss)
-    over the windows and its standard error, clustered by document (`heldout_documents`; results written
-    before they were recorded fall back to independent windows, which understates it)."""
-    base = {r["seed"]: r for r in base_runs}
-    out = []
-    for r in runs:
-        b = base.get(r["seed"])
-        if b is None or not r.get("heldout_windows") or len(r["heldout_windows"]) != len(b.get("heldout_windows") or []):
-            continue
-        d = [x - y for x, y in zip(r["heldout_windows"], b["heldout_windows"])]
-        out.append((statistics.fmean(d), clustered_se(d, r.get("heldout_documents"))))
-    return out
-
-
-def paired_difference(runs: list[dict], base_runs: list[dict]) -> tuple[Optional[float], Optional[float]]:
-    """Mean over seeds of (loss - baseline loss) on the same held-out windows, and its standard error from
-    the per-window differences, clustered by document."""
-    return _over_seeds(_seed_differences(runs, base_runs))
-
-
-def _over_seeds(per_seed: list[tuple[float, float]]) -> tuple[Optional[float], Optional[float]]:
-    """The mean of the seeds' differences and its SE from theirs (independent seeds); (None, None) for none."""
-    if not per_seed:
-        return None, None
-    return statistics.fmean(d for d, _ in per_seed), math.sqrt(sum(se * se for _, se in per_seed)) / len(per_seed)
-
-
+# -- the report's arithmetic (its statistics: spes/eval/stats.py; its text: spes/eval/report.py) ----------
 def summarize(p: Params, results: list[dict]) -> dict:
     """Per (variant, budget): the best learning rate's mean and spread over seeds, and everything the table
     shows; plus the sweep and the merging effect. `results` are the runs' result.json dicts."""
     by: dict[tuple, list[dict]] = {}
     for res in results:
         by.setdefault((res["variant"], res["budget"], res["lr"]), []).append(res)
-    sweep = {k: _mean_std([r["heldout_loss"] for r in v]) for k, v in by.items()}
+    sweep = {k: mean_std([r["heldout_loss"] for r in v]) for k, v in by.items()}
     rows = []
     for budget in p.compare.budgets:
         base_loss = None
@@ -209,26 +157,6 @@ def summarize(p: Params, results: list[dict]) -> dict:
             "frontier": frontier(p, rows, by), "slice": slice_agreement(results)}
 
 
-def seed_se(per_seed: list[float]) -> Optional[float]:
-    """Standard error of the mean of the seeds' differences (None with one seed)."""
-    return statistics.stdev(per_seed) / math.sqrt(len(per_seed)) if len(per_seed) > 1 else None
-
-
-def verdict(diff: Optional[float], se: Optional[float], per_seed: list[float]) -> str:
-    """'better' or 'worse' only when the difference is beyond both kinds of noise: more than twice its
-    document-clustered SE (which windows were scored) and twice its SE over seeds (how training went), with
-    every seed on the same side; else 'within noise' ('one seed' where the second kind is unknown)."""
-    if diff is None or se is None:
-        return "-"
-    over_seeds = seed_se(per_seed)
-    if over_seeds is None:
-        return "one seed"
-    same_side = all(d < 0 for d in per_seed) or all(d > 0 for d in per_seed)
-    if same_side and abs(diff) > 2 * se and abs(diff) > 2 * over_seeds:
-        return "better" if diff < 0 else "worse"
-    return "within noise"
-
-
 def paired_comparisons(p: Params, runs: dict) -> list[dict]:
     """compare.pairs: per pair, budget and learning rate both ran, variant minus reference paired by seed and
     held-out window (`runs`: (variant, budget, lr) -> results): the mean difference, its document-clustered SE,
@@ -237,11 +165,11 @@ def paired_comparisons(p: Params, runs: dict) -> list[dict]:
     for variant, reference in p.compare.pairs.items():
         for budget in p.compare.budgets:
             for lr in p.compare.lrs:
-                seeds = _seed_differences(sorted(runs.get((variant, budget, lr), []), key=lambda r: r["seed"]),
+                seeds = seed_differences(sorted(runs.get((variant, budget, lr), []), key=lambda r: r["seed"]),
                                           runs.get((reference, budget, lr), []))
                 if not seeds:
                     continue
-                diff, se = _over_seeds(seeds)
+                diff, se = over_seeds(seeds)
                 per_seed = [d for d, _ in seeds]
                 out.append({"variant": variant, "reference": reference, "budget": budget, "lr": lr,
                             "seeds": len(per_seed), "diff": diff, "diff_se": se, "per_seed": per_seed,
@@ -303,86 +231,6 @@ def frontier(p: Params, rows: list[dict], runs: Optional[dict] = None) -> list[d
             x["diff_to_base_interval"], x["diff_to_base_interval_se"] = paired_difference(
                 runs[(x["variant"], x["budget"], x["lr"])], runs[(base["variant"], base["budget"], base["lr"])])
     return sorted(out, key=lambda x: (x["budget"], x["method"], x["sync_steps"]))
-
-
-def _fmt_bytes(n: Optional[float]) -> str:
-    return "-" if n is None or (isinstance(n, float) and math.isnan(n)) else f"{n / 2**20:.2f}"
-
-
-def _paired(d: Optional[float], se: Optional[float]) -> str:
-    return "-" if d is None or se is None else f"{d:+.4f} ({se:.4f})"
-
-
-def report_markdown(p: Params, summary: dict) -> str:
-    c = p.compare
-    out = ["# SPES vs baselines at equal tokens\n",
-           f"Seeds {list(c.seeds)}, learning rates {list(c.lrs)} (best of each variant shown), budgets "
-           f"{list(c.budgets)} x spes.rounds; held-out loss on the whole held-out split (mean +- std over seeds; "
-           f"SE = standard error of one run's mean loss over its windows, clustered by document; the difference to "
-           f"{c.baseline} is paired by seed and window, with its document-clustered standard error); baseline: "
-           f"{c.baseline}.\n"]
-    mem_budget = summary.get("node_memory")
-    if mem_budget:
-        out.append(f"\nMemory per node: at most {_fmt_bytes(mem_budget)} MiB of weights + gradients + Adam "
-                   f"(compare.node_memory: {c.node_memory}); planned by spes/train/plan.py, measured = what a node's "
-                   "tensors held after its last step.\n")
-    for budget in c.budgets:
-        out += [f"\n## Budget {budget}x\n",
-                f"| variant | experts | seeds | lr | held-out loss | SE | ratio to {c.baseline} | minus {c.baseline} "
-                "(paired SE) | tokens | trainable params / node | weights+grads+Adam MiB / node (planned, measured)"
-                + (" | within the memory budget" if mem_budget else "") + " | MiB on the wire / node / round | wall s |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if mem_budget else "")]
-        for r in (r for r in summary["rows"] if r["budget"] == budget):
-            paired = "-" if r["diff_to_baseline"] is None else \
-                f"{r['diff_to_baseline']:+.4f} ({r['diff_to_baseline_se']:.4f})"
-            within = "" if not mem_budget else \
-                f" {'yes' if r['memory_bytes_per_node'] <= mem_budget else 'no'} |"
-            out.append(f"| {r['variant']} | {r.get('num_experts') or '-'} | {r['seeds']} | {r['lr']:g} | "
-                       f"{r['heldout_loss_mean']:.4f} +- "
-                       f"{r['heldout_loss_std']:.4f} | {r['heldout_loss_se']:.4f} | {r['ratio_to_centralized']:.4f} | "
-                       f"{paired} | "
-                       f"{r['tokens']} | {r['trainable_params_per_node']} | {_fmt_bytes(r['memory_bytes_per_node'])}, "
-                       f"{_fmt_bytes(r.get('state_bytes_per_node'))} |{within} "
-                       f"{_fmt_bytes(r['bytes_per_node_per_round'])} | {r['wall_s']:.0f} |")
-    if summary.get("pairs"):
-        out += ["\n## Paired comparisons (compare.pairs: variant minus reference, same seed, lr and held-out "
-                "windows)\n",
-                "Beyond noise ('better'/'worse') = more than twice the document-clustered SE and twice the SE over "
-                "seeds away from zero, every seed on the same side; otherwise 'within noise'.\n",
-                "| variant | reference | budget | lr | seeds | difference | document-clustered SE | per seed | "
-                "SE over seeds | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
-        for x in summary["pairs"]:
-            seed_se = "-" if x["seed_se"] is None else f"{x['seed_se']:.4f}"
-            out.append(f"| {x['variant']} | {x['reference']} | {x['budget']}x | {x['lr']:g} | {x['seeds']} | "
-                       f"{x['diff']:+.4f} | {x['diff_se']:.4f} | {', '.join(f'{d:+.4f}' for d in x['per_seed'])} | "
-                       f"{seed_se} | {x['verdict']} |")
-    if summary.get("frontier"):
-        out += ["\n## Sync interval: held-out loss against bytes on the wire (frontier.svg)\n",
-                "Bytes each node moves (uploads and downloads) per training token it sees; fewer local steps per "
-                "round buy a lower loss with more traffic.\n",
-                f"| method | budget | sync_steps | seeds | held-out loss | minus {c.baseline} (paired SE) | "
-                f"minus the same method at sync_steps {p.spes.sync_steps} (paired SE) | bytes / node / token |",
-                "|---|---|---|---|---|---|---|---|"]
-
-        for f in summary["frontier"]:
-            out.append(f"| {f['method']} | {f['budget']}x | {f['sync_steps']} | {f['seeds']} | "
-                       f"{f['heldout_loss_mean']:.4f} +- {f['heldout_loss_std']:.4f} | "
-                       f"{_paired(f['diff_to_baseline'], f['diff_to_baseline_se'])} | "
-                       f"{_paired(f.get('diff_to_base_interval'), f.get('diff_to_base_interval_se'))} | "
-                       f"{f['bytes_per_node_per_token']:.1f} |")
-    sl = summary.get("slice")
-    if sl:
-        out += ["\n## How far the per-round held-out curve can be trusted\n",
-                f"The per-round held-out loss uses eval.round_batches batches ({', '.join(sl['round_windows'])} "
-                f"windows). At the last round of {sl['runs']} runs it differs from the whole split's loss of the same "
-                f"model by {sl['mean_diff']:+.4f} on average (at most {sl['max_abs_diff']:.4f}); it puts "
-                f"{100 * sl['pairs_same_order']:.0f}% of the pairs of runs in the whole split's order.\n"]
-    out += ["\n## Learning-rate sweep (mean held-out loss over seeds)\n", "| variant | budget | lr | loss | std |",
-            "|---|---|---|---|---|"]
-    for k, (mean, std) in summary["sweep"].items():
-        v, b, lr = k.split("|")
-        out.append(f"| {v} | {b}x | {float(lr):g} | {mean:.4f} | {std:.4f} |")
-    return "\n".join(out) + "\n"
 
 
 CSV_COLUMNS = ["variant", "budget", "seeds", "lr", "heldout_loss_mean", "heldout_loss_std", "heldout_loss_se",

@@ -14,237 +14,25 @@ raises UploadsRejected (the caller re-runs those nodes), else they are left out 
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import uuid
 from typing import Optional
 
-import torch
-
 from spes.config.schema import Params
-from spes.errors import IntegrityError, QuorumError, UploadsRejected
-from spes.model.names import expert_layer
+from spes.errors import QuorumError, UploadsRejected
+from spes.round.attempt import RoundAttempt, one_torch_thread
 from spes.round.uploads import BadUpload, committed_uploads
-from spes.run.layout import MODEL_FILE, OUTER_FILE, RESIDUAL_FILE, RunLayout
+from spes.run.layout import MODEL_FILE, RunLayout
 from spes.run.membership import membership_of, next_membership, read_requests, stamp
-from spes.run.records import DeltaMeta, ExpertRef, GlobalMeta, Membership, UploadMeta
-from spes.run.run import Run, next_index
+from spes.run.records import DeltaMeta, GlobalMeta, Membership, UploadMeta
+from spes.run.rounds import next_index
+from spes.run.run import Run
 from spes.storage.store import BundleWriter, Store
-from spes.sync.codecs import Codec, make_codec
-from spes.sync.deltas import (
-    EXPERTS_FILE,
-    MOMENTS_FILE,
-    SHARED_FILE,
-    add_decoded,
-    add_decoded_rows,
-    encode_with_feedback,
-    encoded_specs,
-    experts_file,
-    read_parts,
-)
-from spes.sync.method import SyncMethod, node_weights, weighted_sum
+from spes.sync.codecs import make_codec
 from spes.sync.methods import sync_method
 
 log = logging.getLogger("spes.round.aggregator")
-
-
-def _shapes(entry: dict) -> dict[str, tuple[int, ...]]:
-    return {n: tuple(t["shape"]) for n, t in entry["tensors"].items()}
-
-
-class _Cached:
-    """A reader over held tensors (TensorReader's `read`): each is let go once read, so the previous and the
-    new global together stay within about one model."""
-
-    def __init__(self, tensors: dict):
-        self.tensors = tensors
-
-    def read(self, name: str) -> torch.Tensor:
-        return self.tensors.pop(name)
-
-
-class _Round:
-    """One attempt at aggregating round r from a set of contributors."""
-
-    def __init__(self, p: Params, method: SyncMethod, codec: Codec, store: Store, layout: RunLayout, r: int,
-                 prev: dict, prev_meta: GlobalMeta, membership: Membership, uploads: dict[int, dict],
-                 metas: dict[int, UploadMeta], held: Optional[dict]):
-        self.p, self.method, self.codec, self.store, self.layout, self.r = p, method, codec, store, layout, r
-        self.prev, self.uploads, self.held = prev, uploads, held
-        self.nodes = sorted(uploads)
-        self.weights = node_weights([metas[i].tokens for i in self.nodes], p.spes.token_weighted)
-        self.owners = membership.owners
-        self.alpha = method.merge_alpha(r * p.spes.sync_steps, prev_meta.model_config["num_experts"])
-        self.merging = self.alpha > 0
-        self.shapes = _shapes(prev["files"][MODEL_FILE])
-        self.feedback = p.sync.error_feedback and not codec.exact
-
-    def rows(self, owner: int) -> list[int]:
-        return list(self.owners[owner])
-
-    def _groups(self, names: list[str], averaged: dict) -> list[list[str]]:
-        """The tensors in the order they are computed: one at a time, except that a merging round takes a
-        layer's expert tensors together (adjacent in sorted order, since they share the layer's prefix)."""
-        groups: list[list[str]] = []
-        for name in names:
-            last = groups[-1] if groups else None
-            if (self.merging and name not in averaged and last is not None and last[0] not in averaged
-                    and expert_layer(last[0]) == expert_layer(name)):
-                last.append(name)
-            else:
-                groups.append([name])
-        return groups
-
-    def run(self) -> tuple[BundleWriter, BundleWriter, dict[str, ExpertRef]]:
-        """Write the delta and global bundles (uncommitted); returns their writers and the expert files."""
-        prev_files, prev_dir = self.prev["files"], self.layout.global_dir(self.r - 1)
-        averaged = {n: sh for n, sh in self.shapes.items() if self.method.is_averaged(n)}
-        expert_names = {n: sh for n, sh in self.shapes.items() if n not in averaged}
-        owners = [j for j in sorted(self.owners) if self.merging or j in self.uploads] if expert_names else []
-        self.outer_specs = {n: self.method.outer_state_specs(n, averaged[n]) for n in sorted(averaged)}
-        outer_flat = [spec for n in sorted(averaged) for spec in self.outer_specs[n]]
-        self.new_model: dict[str, torch.Tensor] = {}
-        delta = BundleWriter(self.store, self.layout.delta_dir(self.r))
-        glob = BundleWriter(self.store, self.layout.global_dir(self.r))
-        with contextlib.ExitStack() as st:
-            rd = lambda f: st.enter_context(self.store.open_reader(prev_dir, f, prev_files[f]))  # noqa: E731
-            prev_model = _Cached(self.held) if self.held is not None else rd(MODEL_FILE)
-            prev_outer = rd(OUTER_FILE) if outer_flat and OUTER_FILE in prev_files else None
-            prev_res = rd(RESIDUAL_FILE) if RESIDUAL_FILE in prev_files else None
-            shared_in = {i: self._node_reader(st, i, SHARED_FILE) for i in self.nodes}
-            experts_in = {i: self._node_reader(st, i, EXPERTS_FILE) for i in self.nodes} if expert_names else {}
-            w_model = st.enter_context(glob.stream(MODEL_FILE, [(n, torch.float32, self.shapes[n]) for n in sorted(self.shapes)]))
-            w_outer = st.enter_context(glob.stream(OUTER_FILE, outer_flat)) if outer_flat else None
-            w_res = st.enter_context(glob.stream(RESIDUAL_FILE, [(n, torch.float32, averaged[n]) for n in sorted(averaged)])) \
-                if self.feedback else None
-            w_shared = st.enter_context(delta.stream(SHARED_FILE, encoded_specs(self.codec, averaged)))
-            w_experts = {j: st.enter_context(delta.stream(experts_file(j), encoded_specs(
-                self.codec, {n: (len(self.rows(j)), *sh[1:]) for n, sh in expert_names.items()})))
-                for j in owners} if self.merging else {}
-            for group in self._groups(sorted(self.shapes), averaged):
-                if group[0] in averaged:
-                    self._averaged(group[0], prev_model, prev_outer, prev_res, shared_in, w_model, w_outer, w_res,
-                                   w_shared)
-                else:
-                    self._experts(group, prev_model, experts_in, w_model, w_experts)
-            for i, rdr in list(shared_in.items()) + list(experts_in.items()):
-                self._finish(i, rdr)
-            if self.p.sync.average_optimizer_state:
-                self._moments(st, glob)
-        expert_files = {}
-        for j in owners:
-            ref = ExpertRef(rows=self.rows(j))
-            if not self.merging:  # the owner's upload is the delta of its rows: refer to it, copy nothing
-                entry = self.uploads[j]["files"][EXPERTS_FILE]
-                ref = ExpertRef(self.rows(j), self.layout.node_dir(self.r, j), EXPERTS_FILE, entry["sha256"],
-                                entry["bytes"])
-            expert_files[experts_file(j)] = ref
-        return delta, glob, expert_files
-
-    def _moments(self, st, glob: BundleWriter) -> None:
-        """sync.average_optimizer_state: the weighted mean of the nodes' Adam moments into the global bundle,
-        tensor by tensor; every node's file must hold the same tensors."""
-        readers = {i: self._node_reader(st, i, MOMENTS_FILE) for i in self.nodes}
-        specs = {i: _shapes(self.uploads[i]["files"][MOMENTS_FILE]) for i in self.nodes}
-        first = specs[self.nodes[0]]
-        for i in self.nodes:
-            if specs[i] != first:
-                raise BadUpload(i, f"{self.store.url}/{self.layout.node_dir(self.r, i)}/{MOMENTS_FILE}: holds "
-                                   f"other tensors than node {self.nodes[0]}'s")
-        with glob.stream(MOMENTS_FILE, [(n, torch.float32, first[n]) for n in sorted(first)]) as w:
-            for name in sorted(first):
-                ts = []
-                for i in self.nodes:
-                    try:
-                        ts.append(readers[i].read(name))
-                    except IntegrityError as e:
-                        raise BadUpload(i, str(e)) from None
-                w.write(name, weighted_sum(ts, self.weights))
-        for i, rdr in readers.items():
-            self._finish(i, rdr)
-
-    def _node_reader(self, st, i: int, fname: str):
-        rel = self.layout.node_dir(self.r, i)
-        entry = self.uploads[i]["files"].get(fname)
-        if entry is None:
-            raise BadUpload(i, f"{self.store.url}/{rel}: no {fname}")
-        try:
-            return st.enter_context(self.store.open_reader(rel, fname, entry))
-        except IntegrityError as e:
-            raise BadUpload(i, str(e)) from None
-
-    def _read(self, i: int, rdr, name: str, shape):
-        try:
-            parts = read_parts(rdr, self.codec, name, shape)
-        except IntegrityError as e:
-            raise BadUpload(i, str(e)) from None
-        for part, dtype, want in self.codec.encoded_specs(name, shape):  # bytes that verify can still be wrong
-            t = parts[part]
-            if t.dtype != dtype or tuple(t.shape) != tuple(want):
-                raise BadUpload(i, f"{rdr.where}: {part} is {t.dtype} {tuple(t.shape)}, the {self.codec.name} "
-                                   f"codec expects {dtype} {tuple(want)}")
-        return parts
-
-    def _finish(self, i: int, rdr) -> None:
-        try:
-            rdr.finish()
-        except IntegrityError as e:
-            raise BadUpload(i, str(e)) from None
-
-    def _averaged(self, name, prev_model, prev_outer, prev_res, shared_in, w_model, w_outer, w_res, w_shared):
-        shape, specs = self.shapes[name], self.outer_specs[name]
-        prev_t = prev_model.read(name)
-        deltas = [self.codec.decode(name, self._read(i, shared_in[i], name, shape), shape) for i in self.nodes]
-        state = {key: prev_outer.read(key) for key, _, _ in specs} if prev_outer is not None else {}
-        change, new_state = self.method.global_change(name, deltas, self.weights, state)
-        residual = {name: prev_res.read(name)} if prev_res is not None else None
-        parts, new_res = encode_with_feedback(self.codec, name, change, residual, self.feedback)
-        for part in sorted(parts):
-            w_shared.write(part, parts[part])
-        self._put(w_model, name, add_decoded(prev_t, self.codec, name, parts))
-        if w_outer is not None:
-            for key, _, _ in specs:
-                w_outer.write(key, new_state[key])
-        if w_res is not None:
-            w_res.write(name, new_res)
-
-    def _experts(self, group, prev_model, experts_in, w_model, w_experts):
-        prevs = {n: prev_model.read(n) for n in group}
-        shapes = {n: self.shapes[n] for n in group}
-        up = {n: {} for n in group}  # name -> node -> parts, read in file order
-        for n in group:
-            for i in self.nodes:
-                up[n][i] = self._read(i, experts_in[i], n, (len(self.rows(i)), *shapes[n][1:]))
-        if self.merging:  # the method's hook, on the layer's experts as their owners trained them
-            target = {n: add_decoded_rows(prevs[n], [(self.rows(i), up[n][i]) for i in self.nodes], self.codec, n)
-                      for n in group}
-            merged = self.method.merge(target, self.alpha)
-            send = {n: {j: self.codec.encode(n, (merged[n] - prevs[n])[self.rows(j)]) for j in w_experts} for n in group}
-        else:
-            send = up
-        for n in group:
-            for j in sorted(w_experts):
-                for part in sorted(send[n][j]):
-                    w_experts[j].write(part, send[n][j][part])
-            owners = sorted(send[n])  # sorted, like apply_delta on the nodes: the same bits
-            self._put(w_model, n, add_decoded_rows(prevs[n], [(self.rows(j), send[n][j]) for j in owners], self.codec, n))
-
-    def _put(self, w_model, name: str, t: torch.Tensor) -> None:
-        w_model.write(name, t)
-        self.new_model[name] = t
-
-
-@contextlib.contextmanager
-def _one_torch_thread():
-    """Aggregation is memory-bound elementwise work; the other cores are better spent on the sha256 helper
-    threads (spes/storage/tensorio.py) than on torch's intra-op threads, which would compete with them."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 class Aggregator:
@@ -285,7 +73,6 @@ class Aggregator:
         prev = store.read_manifest(prev_rel)
         prev_meta = GlobalMeta.from_json(prev["meta"], f"{store.url}/{prev_rel}")
         base_sha = prev["files"][MODEL_FILE]["sha256"]
-        num_experts = prev_meta.model_config.get("num_experts", 0)
         membership = membership_of(prev_meta, method)
         members = membership.members
         need = min(min_nodes if min_nodes is not None else len(members), len(members))
@@ -303,14 +90,25 @@ class Aggregator:
                 raise QuorumError(f"round {r}: only nodes {sorted(uploads)} committed"
                                   + (f" ({len(rejected)} rejected)" if rejected else "")
                                   + f", quorum is {need} of {len(members)} (members {members})")
-            attempt = _Round(p, method, self.codec, store, layout, r, prev, prev_meta, membership, uploads, metas,
-                             self._take_held(r - 1, base_sha))
+            attempt = RoundAttempt(p, method, self.codec, store, layout, r, prev, prev_meta, membership, uploads,
+                                   metas, self._take_held(r - 1, base_sha))
             try:
-                with _one_torch_thread():
+                with one_torch_thread():
                     delta, glob, expert_files = attempt.run()
                 break
             except BadUpload as e:
                 rejected[e.node] = e.msg
+        return self._commit(r, t0, prev, prev_meta, membership, uploads, metas, rejected, attempt, delta, glob,
+                            expert_files)
+
+    def _commit(self, r: int, t0: float, prev: dict, prev_meta: GlobalMeta, membership: Membership,
+                uploads: dict[int, dict], metas: dict[int, UploadMeta], rejected: dict[int, str],
+                attempt: RoundAttempt, delta: BundleWriter, glob: BundleWriter, expert_files: dict) -> GlobalMeta:
+        """Delta r, then global r with its meta (the next round's membership, the node states, the index)."""
+        p, store, layout, method = self.p, self.store, self.layout, self.method
+        base_sha = prev["files"][MODEL_FILE]["sha256"]
+        num_experts = prev_meta.model_config.get("num_experts", 0)
+        members = membership.members
         new_sha = glob.entries[MODEL_FILE]["sha256"]
         states = dict(prev_meta.node_states)
         for i in uploads:

@@ -22,7 +22,7 @@ from spes.run.membership import membership_of, request_planned
 from spes.run.records import GlobalMeta, NodeReport, RoundRecord
 from spes.run.run import Run
 from spes.sync.methods import sync_method
-from spes.train.trainer import stable_end
+from spes.train.schedule import stable_end
 
 log = logging.getLogger("spes.round")
 

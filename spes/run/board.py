@@ -29,7 +29,7 @@ from typing import Optional
 from spes.config.schema import Params
 from spes.model.losses import load_balance
 from spes.run.records import RoundRecord
-from spes.train.trainer import lr_at
+from spes.train.schedule import lr_at
 
 
 def board_dir(p: Params, run: str) -> Optional[str]:

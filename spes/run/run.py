@@ -13,14 +13,11 @@ import time
 import uuid
 from typing import Callable, Optional, Union
 
-from spes.config.schema import ModelConfig
 from spes.errors import IntegrityError, NotCommitted, ProtocolError, RecordError, RunMismatch
-from spes.model.names import canonical_shapes
-from spes.model.transformer import CausalLM
 from spes.run.identity import FINGERPRINT_VERSION, InitModel
-from spes.run.layout import MODEL_FILE, RunLayout
-from spes.run.records import GlobalMeta, RoundRecord, RunIndex, StateRef
-from spes.storage.store import Store
+from spes.run.layout import MODEL_FILE
+from spes.run.records import GlobalMeta, RunIndex, StateRef
+from spes.run.rounds import RunRounds
 
 log = logging.getLogger("spes.run")
 
@@ -28,18 +25,9 @@ LocalStateCheck = Callable[[int, StateRef], bool]
 """(node, state ref) -> whether that node's state is in its own folder (process executor: visible here)."""
 
 
-def next_index(prev: Optional[RunIndex], r: int, node_states: dict[int, StateRef]) -> RunIndex:
-    """The index global r carries: global r-1's, plus r when every node's state it was built with is
-    checkpointed on shared storage (a resume from anywhere can start after r)."""
-    resumable = list(prev.storage_resumable if prev is not None else [0])
-    if all(ref.checkpoint for ref in node_states.values()) and r not in resumable:
-        resumable.append(r)
-    return RunIndex(storage_resumable=resumable)
-
-
-class Run:
-    def __init__(self, store: Store, name: str):
-        self.store, self.layout, self.name = store, RunLayout(name), name
+class Run(RunRounds):
+    """A run: its identity (info, ensure), where a resume starts, and retention; the committed rounds
+    themselves, their records and moving rounds aside are RunRounds' (spes/run/rounds.py)."""
 
     # -- identity ----------------------------------------------------------------------------------
     def info(self) -> Optional[dict]:
@@ -127,52 +115,6 @@ class Run:
         assert round0_sha is not None  # committed just above, or by whoever started the run
         self._write_info(fingerprint, round0_sha, run_id, settings)
 
-    # -- rounds ------------------------------------------------------------------------------------
-    def _round_names(self) -> list[int]:
-        return sorted(int(n) for n in self.store.list_names(self.layout.rounds_dir) if n.isdigit())
-
-    def latest_round(self) -> Optional[int]:
-        """The latest committed round: one listing, then COMMIT markers from the top (a round being written
-        has no marker yet)."""
-        for r in reversed(self._round_names()):
-            if self.store.is_committed(self.layout.global_dir(r)):
-                return r
-        return None
-
-    def committed_rounds(self) -> list[int]:
-        """Rounds whose global is still on storage (retention deletes older globals' models)."""
-        return [r for r in self._round_names() if self.store.is_committed(self.layout.global_dir(r))]
-
-    def global_meta(self, r: int) -> GlobalMeta:
-        rel = self.layout.global_dir(r)
-        return GlobalMeta.from_json(self.store.read_manifest(rel)["meta"], f"{self.store.url}/{rel}")
-
-    def check_global(self, r: int, manifest: Optional[dict] = None) -> GlobalMeta:
-        """Before a round starts from global r: its meta and its model file's tensors (names, shapes) fit the
-        model config it records; a damaged manifest stops here, naming the file, not inside a node."""
-        rel = self.layout.global_dir(r)
-        manifest = manifest if manifest is not None else self.store.read_manifest(rel)
-        meta = GlobalMeta.from_json(manifest["meta"], f"{self.store.url}/{rel}")
-        try:
-            want = canonical_shapes(ModelConfig(**meta.model_config))
-        except TypeError as e:
-            raise RecordError(f"{self.store.url}/{rel}/manifest.json: model_config does not fit the schema ({e})") from None
-        entry = manifest["files"].get(MODEL_FILE)
-        got = {n: tuple(t.get("shape", ())) for n, t in (entry or {}).get("tensors", {}).items()}
-        if got != want:
-            bad = sorted(set(got.items()) ^ set(want.items()))[:3]
-            raise RecordError(f"{self.store.url}/{rel}/manifest.json: its tensors do not fit its model config "
-                              f"(e.g. {bad})")
-        return meta
-
-    def verify_global(self, r: int) -> GlobalMeta:
-        """check_global, and every byte of the model file against its sha256, parsed as safetensors."""
-        rel = self.layout.global_dir(r)
-        manifest = self.store.read_manifest(rel)
-        meta = self.check_global(r, manifest)
-        self.store.read_bundle(rel, [MODEL_FILE], manifest)
-        return meta
-
     def set_aside_damaged(self) -> list[int]:
         """While the latest committed round is damaged (its manifest, meta or model file), move it to
         superseded/ (never deleted): the run continues from the latest intact round. Round 0 is never set
@@ -189,21 +131,6 @@ class Run:
                 moved += self.supersede_after(latest - 1)
                 log.warning("run %s: committed round %d is damaged (%s); set aside to %s/superseded/, the run "
                             "continues after round %d", self.name, latest, e, self.layout.base, latest - 1)
-
-    def node_states(self, r: int) -> dict[int, StateRef]:
-        """The node states global r was built with."""
-        return self.global_meta(r).node_states
-
-    def index(self, r: int) -> RunIndex:
-        """The index global r carries (globals written before indexes: rebuilt once from the ones before)."""
-        meta = self.global_meta(r)
-        if meta.index is not None:
-            return meta.index
-        index = None
-        for q in self.committed_rounds():
-            if q <= r:
-                index = next_index(index, q, meta.node_states if q == r else self.node_states(q))
-        return index or RunIndex()
 
     def last_checkpointed_state(self, node: int, at_or_before: int) -> tuple[int, Optional[StateRef]]:
         """(K, ref): the latest round K <= at_or_before from which a resume needs nothing but shared storage
@@ -345,56 +272,3 @@ class Run:
             return self.node_states(r)
         except NotCommitted:  # a checkpoint round whose global retention already removed
             return {}
-
-    def supersede_after(self, r: int, include_info: bool = False) -> list[int]:
-        """Move rounds > r aside (never deleted) so a resume from r can rewrite them."""
-        # sortable by time to the nanosecond (retention keeps the newest), unique across writers
-        stamp = time.strftime("%Y%m%dT%H%M%S") + f".{time.time_ns() % 10**9:09d}-" + uuid.uuid4().hex[:6]
-        dest = self.layout.superseded_dir(stamp)
-        moved = []
-        for name in self.store.list_names(self.layout.rounds_dir):
-            if name.isdigit() and int(name) > r:
-                self.store.move(self.layout.round_dir(int(name)), f"{dest}/{name}")
-                moved.append(int(name))
-        if include_info and self.store.exists(self.layout.info):
-            self.store.move(self.layout.info, f"{dest}/info")
-        return sorted(moved)
-
-    def prune_superseded(self, keep: Optional[int]) -> list[str]:
-        """Retention of superseded/: the last `keep` stamps stay (None = all); returns those deleted."""
-        if keep is None:
-            return []
-        stamps = self.store.list_names(f"{self.layout.base}/superseded")  # stamps sort by time
-        gone = stamps[:-keep] if len(stamps) > keep else []
-        for stamp in gone:
-            self.store.remove(self.layout.superseded_dir(stamp))
-        if gone:
-            log.info("run %s: retention deleted superseded rounds %s (storage.keep_superseded=%d)", self.name, gone,
-                     keep)
-        return gone
-
-    def load_model(self, r: int):
-        """Global round r as a model (config from the round's meta), and its manifest."""
-        rel = self.layout.global_dir(r)
-        b = self.store.read_bundle(rel, only=[MODEL_FILE])
-        meta = GlobalMeta.from_json(b.meta, f"{self.store.url}/{rel}")
-        model = CausalLM(ModelConfig(**meta.model_config))
-        model.load_canonical_state_dict(b.files[MODEL_FILE])
-        return model, b.manifest
-
-    # -- records -----------------------------------------------------------------------------------
-    def write_record(self, r: int, record: RoundRecord) -> None:
-        if not self.store.is_committed(self.layout.record_dir(r)):
-            self.store.write_bundle(self.layout.record_dir(r), {}, record.to_json())
-
-    def record(self, r: int) -> Optional[RoundRecord]:
-        rel = self.layout.record_dir(r)
-        try:
-            meta = self.store.read_manifest(rel)["meta"]
-        except NotCommitted:
-            return None
-        return RoundRecord.from_json(meta, f"{self.store.url}/{rel}")
-
-    def records(self, first: int, last: int) -> list[RoundRecord]:
-        """How rounds first..last went, for those with a record (a stage re-run reports these)."""
-        return [rec for rec in (self.record(r) for r in range(first, last + 1)) if rec is not None]

@@ -47,3 +47,25 @@ def broadcast_tensors(tensors: Optional[dict[str, torch.Tensor]]) -> dict[str, t
         dist.broadcast(t, src=0)
         out[name] = t.cpu()
     return out
+
+
+def node_totals(ce: torch.Tensor, counts: Optional[torch.Tensor], tokens: int):
+    """A step over the node's ranks: the mean loss, all ranks' routed rows and tokens (every rank calls it)."""
+    world = dist.get_world_size()
+    ce = ce.clone()
+    dist.all_reduce(ce)
+    tok = torch.tensor([tokens], device=ce.device)
+    dist.all_reduce(tok)
+    if counts is not None:
+        counts = counts.clone()
+        dist.all_reduce(counts)
+    return ce / world, counts, int(tok.item())
+
+
+def node_mean(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The mean over the node's ranks of a per-rank value (every rank calls it, or none: t is None on all)."""
+    if t is None:
+        return None
+    t = t.clone()
+    dist.all_reduce(t)
+    return t / dist.get_world_size()

@@ -24,7 +24,6 @@ fp32 only (bench/memory_plan.py).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from typing import Optional
@@ -259,15 +258,6 @@ def summary(cfg: ModelConfig, s: SpesConfig, ranks: int, gpu_mem: Optional[int])
             "activations_bytes": worst["peak_bytes"] - worst["state_bytes"]}
 
 
-# -- nodes of different sizes ---------------------------------------------------------------------------
-def plan_owning(cfg: ModelConfig, s: SpesConfig, experts: int, ranks: int = 1) -> dict:
-    """plan_node of a SPES node that owns `experts` experts of every layer (the rest frozen)."""
-    e = cfg.num_experts
-    own = {"num_nodes": 1, "ownership": None} if experts >= e else \
-        {"num_nodes": 2, "ownership": [list(range(experts)), list(range(experts, e))]}
-    return plan_node(cfg, SpesConfig(**{**s.__dict__, "method": "spes", **own}), 0, ranks)
-
-
 def budget_bytes(budget: Optional[str], variants: dict) -> Optional[int]:
     """compare.node_memory in bytes: a variant's planned per-node weights + gradients + Adam (its largest
     node), or a size; None without a budget. `variants`: name -> its resolved Params."""
@@ -285,55 +275,6 @@ def budget_bytes(budget: Optional[str], variants: dict) -> Optional[int]:
 def node_peak_state(vp) -> int:
     """The planned weights + gradients + Adam of a run's largest node."""
     return max(node_memory(vp.model, vp.spes, i)["total_bytes"] for i in range(sync_method(vp.spes).nodes))
-
-
-def max_experts_fitting(cfg: ModelConfig, s: SpesConfig, memory: int, ranks: int = 1, who: str = "the node",
-                        owning: Optional[dict] = None) -> int:
-    """The most experts per layer a SPES node with `memory` per GPU can own (the others frozen), or ConfigError
-    when not even one fits (naming what its frozen experts alone take)."""
-    owning = owning or {k: plan_owning(cfg, s, k, ranks) for k in range(1, cfg.num_experts + 1)}
-    fits = [k for k, m in owning.items() if m["peak_bytes"] <= memory]
-    if not fits:
-        one = owning[1]
-        raise ConfigError(f"{who} ({gib(memory)}): owning even one expert per layer needs "
-                          f"{gib(one['peak_bytes'])} per GPU, its frozen experts alone "
-                          f"{gib(one['frozen_params'] * DTYPE_BYTES[s.frozen_dtype])}")
-    return max(fits)
-
-
-def capacity_plan(cfg: ModelConfig, s: SpesConfig, memories: list[int], ranks: int = 1) -> dict:
-    """Experts per layer for nodes of different memory: every node fits its memory and the largest count (the
-    slowest node, by the time model below) is as small as it can be.
-
-    Time model (a model, not a measurement): every SPES node runs the forward pass and the input-gradient
-    backward of the whole active model on the same number of tokens, the same work on every node; what grows
-    with ownership is the weight gradients and the AdamW update of its own experts. So with GPUs of equal
-    speed the slowest node is the one owning the most experts, and balancing counts under the memory caps
-    minimizes it (water-filling: each node up to a common level, capped by what fits it).
-    Raises ConfigError naming the node that cannot hold even one expert, or the shortfall."""
-    e = cfg.num_experts
-    if e < 1:
-        raise ConfigError("a capacity plan needs an MoE model (model.num_experts >= 1)")
-    if not memories:
-        raise ConfigError("--nodes: name at least one node's memory, e.g. 24GiB,48GiB")
-    owning = {k: plan_owning(cfg, s, k, ranks) for k in range(1, e + 1)}  # the same for every node
-    caps = [max_experts_fitting(cfg, s, mem, ranks, f"node {i}", owning) for i, mem in enumerate(memories)]
-    if sum(caps) < e or len(memories) > e:
-        raise ConfigError(f"the nodes hold at most {min(sum(caps), e)} of the {e} experts per layer between them "
-                          f"({', '.join(f'node {i}: {c}' for i, c in enumerate(caps))}); every expert needs an "
-                          "owner and every node at least one expert")
-    level = next(t for t in range(1, e + 1) if sum(min(c, t) for c in caps) >= e)
-    counts = [min(c, level) for c in caps]
-    for i in reversed(range(len(counts))):  # give back the excess, one each from the last nodes at the level
-        if sum(counts) > e and counts[i] == level and counts[i] > 1:
-            counts[i] -= 1
-    starts = [sum(counts[:i]) for i in range(len(counts))]
-    ownership = [list(range(a, a + c)) for a, c in zip(starts, counts)]
-    plan = SpesConfig(**{**s.__dict__, "method": "spes", "num_nodes": len(counts), "ownership": ownership})
-    peaks = [plan_node(cfg, plan, i, ranks)["peak_bytes"] for i in range(len(counts))]
-    return {"experts_per_node": counts, "max_experts_per_node": caps, "ownership": ownership,
-            "peak_bytes": peaks, "memory_bytes": list(memories),
-            "overrides": [f"spes.num_nodes={len(counts)}", "spes.ownership=" + json.dumps(ownership).replace(" ", "")]}
 
 
 def _ranges(nodes: list[int]) -> str:

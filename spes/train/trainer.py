@@ -9,7 +9,6 @@ is on the CPU. Step metrics stay on the device (0-dim tensors) so a step never w
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from typing import Iterable, Optional, cast
 
@@ -23,28 +22,9 @@ from spes.model.transformer import CausalLM, ModelOutput
 from spes.sync.deltas import MOMENT_KINDS
 from spes.sync.methods import sync_method
 from spes.train.devices import AUTOCAST_DTYPES, autocast
-from spes.train.distributed import broadcast_object, rank_and_size, shards_node
+from spes.train.distributed import broadcast_object, node_mean, node_totals, rank_and_size, shards_node
 from spes.train.expert_state import canonical_of_chunk, chunk_state, parse_ranged, ranged_name
-
-
-def stable_end(cfg: OptimConfig, total_steps: int) -> int:
-    """wsd: the first step of the decay (steps before it run at cfg.lr once warmed up)."""
-    return max(cfg.warmup_steps, total_steps - math.ceil(cfg.decay_fraction * total_steps))
-
-
-def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
-    """Linear warm-up to cfg.lr, then (cosine) cosine decay to cfg.lr * min_lr_ratio at total_steps, or (wsd)
-    cfg.lr until stable_end, then linear decay to cfg.lr * min_lr_ratio at total_steps."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    floor = cfg.lr * cfg.min_lr_ratio
-    if cfg.schedule == "wsd":
-        start = stable_end(cfg, total_steps)
-        if step < start:
-            return cfg.lr
-        return cfg.lr + (floor - cfg.lr) * min(1.0, (step - start) / max(1, total_steps - start))
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
-    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+from spes.train.schedule import lr_at
 
 
 @dataclass
@@ -164,8 +144,8 @@ class NodeTrainer:
         self.optimizer.step()
         tokens = B * input_ids_BS.shape[1]
         if self.ranks > 1:  # report the node's step: mean loss, all ranks' tokens and expert loads
-            ce, counts, tokens = _node_totals(ce, counts, tokens)
-            aux = _node_mean(aux)
+            ce, counts, tokens = node_totals(ce, counts, tokens)
+            aux = node_mean(aux)
         lb, z = (aux[0], aux[1]) if aux is not None else (None, None)
         return StepMetrics(ce, tokens, counts, norm.detach(), lb, z)
 
@@ -281,31 +261,6 @@ def _wrap_ddp(model: CausalLM):
     dev = next(model.parameters()).device
     return DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
                                    broadcast_buffers=False)
-
-
-def _node_totals(ce: torch.Tensor, counts: Optional[torch.Tensor], tokens: int):
-    import torch.distributed as dist
-
-    world = dist.get_world_size()
-    ce = ce.clone()
-    dist.all_reduce(ce)
-    tok = torch.tensor([tokens], device=ce.device)
-    dist.all_reduce(tok)
-    if counts is not None:
-        counts = counts.clone()
-        dist.all_reduce(counts)
-    return ce / world, counts, int(tok.item())
-
-
-def _node_mean(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The mean over the node's ranks of a per-rank value (every rank calls it, or none: t is None on all)."""
-    if t is None:
-        return None
-    import torch.distributed as dist
-
-    t = t.clone()
-    dist.all_reduce(t)
-    return t / dist.get_world_size()
 
 
 FROZEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -8,7 +8,7 @@ from pipelines.node_host import NodeHost, host_round
 from pipelines.request import NodeRequest
 from spes.config.loader import params_from_dict, to_dict
 from spes.config.schema import Params
-from spes.errors import ConfigError, NodeFailed
+from spes.errors import ConfigError, NodeFailed, UsageError
 
 
 def test_a_host_refuses_a_node_it_does_not_hold():
@@ -25,7 +25,7 @@ def test_a_host_refuses_a_node_it_does_not_hold():
 
 def test_node_lists_and_deployment_names():
     assert parse_nodes("0,1") == [0, 1] and parse_nodes("0-3") == [0, 1, 2, 3] and parse_nodes("2, 0-1,2") == [0, 1, 2]
-    with pytest.raises(SystemExit, match="expected node ids"):
+    with pytest.raises(UsageError, match="expected node ids"):
         parse_nodes("a")
     assert node_deployment("spes-node/spes-node-{node}", 3) == "spes-node/spes-node-3"
     assert node_deployment("spes-node/shared", 3) == "spes-node/shared"

@@ -4,6 +4,7 @@ import torch
 import yaml
 
 from spes.config.loader import to_dict
+from spes.errors import MembershipError, SpesError
 from spes.members import main
 from spes.model.transformer import CausalLM
 from spes.run.identity import InitModel, settings_fingerprint
@@ -30,9 +31,9 @@ def params_file(tmp_path):
 
 def test_join_with_a_memory_cap_and_refusals(params_file, capsys):
     f, store = params_file
-    with pytest.raises(SystemExit, match=r"error: node 5 \(0.00 GiB\): owning even one expert per layer needs"):
+    with pytest.raises(SpesError, match=r"node 5 \(0.00 GiB\): owning even one expert per layer needs"):
         main(["join", "--node", "5", "--gpu-mem", "1KiB", "--params", f])
-    with pytest.raises(SystemExit, match="error: node 1 is already a member of run 'm'"):
+    with pytest.raises(MembershipError, match="node 1 is already a member of run 'm'"):
         main(["join", "--node", "1", "--params", f])
     assert read_requests(store, RunLayout("m")) == []  # nothing written
     main(["join", "--node", "5", "--gpu-mem", "80GiB", "--params", f])

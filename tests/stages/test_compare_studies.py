@@ -9,6 +9,7 @@ import sys
 import pytest
 import yaml
 
+from spes.errors import ModelError, UsageError
 from stages.compare import study_dvcfile, study_name
 from tests.conftest import ROOT
 
@@ -49,7 +50,7 @@ def test_the_merging_study_as_dvc_stages(monkeypatch):
 def test_study_name_refuses_a_file_that_is_not_a_study():
     assert study_name("configs/compare-sync.yaml") == "sync"
     for bad in ("params.yaml", "configs/spes-1b.yaml", "configs/compare-.yaml"):
-        with pytest.raises(SystemExit, match="is not a study preset"):
+        with pytest.raises(UsageError, match="is not a study preset"):
             study_name(bad)
 
 
@@ -68,5 +69,5 @@ def test_a_damaged_initial_model_record_is_named_not_bypassed(tmp_path, monkeypa
     (tmp_path / "init").mkdir()
     for damaged in ("{not json", "[1, 2]"):
         (tmp_path / "init" / "config.json").write_text(damaged)
-        with pytest.raises(SystemExit, match=r"init/config.json: not an initial model's config"):
+        with pytest.raises(ModelError, match=r"init/config.json: not an initial model's config"):
             _variant_init(p, vp, str(tmp_path))

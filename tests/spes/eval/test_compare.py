@@ -6,7 +6,8 @@ import pytest
 
 from spes.config.loader import load_params, to_dict
 from spes.errors import ConfigError
-from spes.eval.compare import cells, check_matrix, report_markdown, run_tokens, summarize, variant_params
+from spes.eval.compare import cells, check_matrix, run_tokens, summarize, variant_params
+from spes.eval.report import report_markdown
 from spes.sync.methods import sync_method
 from tests.conftest import ROOT
 
@@ -132,7 +133,7 @@ def test_paired_comparisons_and_their_verdict():
     document-clustered SE, twice the SE over seeds and with every seed on one side."""
     import math
 
-    from spes.eval.compare import clustered_se, verdict
+    from spes.eval.stats import clustered_se, verdict
 
     p = load_params(PARAMS_YAML)
     p.compare.variants = {"spes": [], "spes-no-merge": ["spes.merge.enabled=false"], "spes-k1": ["spes.merge.top_k=1"],
@@ -254,7 +255,7 @@ def test_clustered_standard_errors():
     import math
     import statistics
 
-    from spes.eval.compare import clustered_se, paired_difference
+    from spes.eval.stats import clustered_se, paired_difference
 
     values = [1.0, 1.1, 0.9, 3.0, 3.1, 2.9]
     naive = statistics.stdev(values) / math.sqrt(6)

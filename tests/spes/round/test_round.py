@@ -9,7 +9,8 @@ from spes.errors import NodeStateError, NonFiniteLoss, QuorumError, UploadsRejec
 from spes.model.transformer import CausalLM
 from spes.round.aggregator import aggregate_round
 from spes.round.fetch import delta_files
-from spes.round.node import NodeContext, node_round
+from spes.round.inputs import NodeContext
+from spes.round.node import node_round
 from spes.run.identity import InitModel, settings_fingerprint
 from spes.run.layout import MODEL_FILE
 from spes.run.local_runs import node_state_root
@@ -259,7 +260,7 @@ def test_node_state_is_the_one_the_global_was_built_with(tmp_path, data):
     assert not run.store.exists(run.layout.node_dir(4, 0))
 
     # its machine lost, node 0 may continue elsewhere from its latest checkpoint (round 2), saying so
-    from spes.round.node import read_inputs
+    from spes.round.inputs import read_inputs
 
     inputs = read_inputs(NodeContext.build(p, run.store, "r"), 4, 0, from_checkpoint=True)
     assert (inputs.state.round, inputs.state.digest) == (2, run.global_meta(2).node_states[0].digest)
@@ -341,7 +342,7 @@ def test_a_finished_run_keeps_on_the_node_machine_only_what_a_resume_needs(tmp_p
 def test_averaged_optimizer_state_is_the_weighted_mean_of_the_nodes_moments(tmp_path, data):
     """sync.average_optimizer_state: global 1 holds the mean of the two nodes' Adam moments of the shared
     parameters (not of their experts), and each node's round 2 starts from it (its step count its own)."""
-    from spes.round.node import read_inputs
+    from spes.round.inputs import read_inputs
     from spes.sync.deltas import MOMENTS_FILE
 
     p = make_params(tmp_path, average_optimizer_state=True)

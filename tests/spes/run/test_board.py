@@ -5,7 +5,7 @@ import struct
 from spes.config.schema import Params
 from spes.run.board import RunBoard, board_dir
 from spes.run.records import GlobalMeta, NodeReport, RoundRecord, StateRef, UploadMeta
-from spes.train.trainer import lr_at
+from spes.train.schedule import lr_at
 
 
 def _f32(x: float) -> float:  # event files store scalars as float32

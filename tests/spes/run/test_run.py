@@ -12,7 +12,8 @@ from spes.run import identity
 from spes.run.identity import InitModel, fingerprint_of, legacy_fingerprint, settings_fingerprint
 from spes.run.layout import MODEL_FILE
 from spes.run.records import RECORD_VERSION, GlobalMeta, NodeReport, RoundRecord, RunIndex, StateRef
-from spes.run.run import Run, next_index
+from spes.run.rounds import next_index
+from spes.run.run import Run
 from spes.storage.store import Store
 from tests.conftest import tiny_config
 

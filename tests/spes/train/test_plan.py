@@ -154,7 +154,7 @@ def test_a_capacity_plan_fits_every_node_and_balances_the_largest_count():
 
     from spes.config.loader import load_params
     from spes.errors import ConfigError
-    from spes.train.plan import capacity_plan, plan_owning
+    from spes.train.capacity import capacity_plan, plan_owning
     from tests.conftest import ROOT
 
     p = load_params(os.path.join(ROOT, "params.yaml"))  # 8 experts per layer

@@ -4,7 +4,8 @@ import torch
 
 from spes.config.schema import OptimConfig, SpesConfig
 from spes.model.transformer import CausalLM
-from spes.train.trainer import NodeTrainer, build_node_trainer, lr_at
+from spes.train.schedule import lr_at
+from spes.train.trainer import NodeTrainer, build_node_trainer
 from tests.conftest import tiny_config
 
 
@@ -175,7 +176,7 @@ def test_compiled_blocks_train_like_eager_and_replay_exactly():
 
 
 def test_the_wsd_schedule_warms_up_holds_then_decays_linearly():
-    from spes.train.trainer import lr_at, stable_end
+    from spes.train.schedule import lr_at, stable_end
 
     o = OptimConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=2, schedule="wsd", decay_fraction=0.25)
     assert stable_end(o, 100) == 75

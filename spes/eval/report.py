@@ -1,0 +1,117 @@
+"""The comparison's report as markdown (artifacts/compare*/report.md), from summarize's numbers
+(spes/eval/compare.py): one section per function, in the report's order."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from spes.config.schema import Params
+
+
+def _fmt_bytes(n: Optional[float]) -> str:
+    return "-" if n is None or (isinstance(n, float) and math.isnan(n)) else f"{n / 2**20:.2f}"
+
+
+def _paired(d: Optional[float], se: Optional[float]) -> str:
+    return "-" if d is None or se is None else f"{d:+.4f} ({se:.4f})"
+
+
+def report_markdown(p: Params, summary: dict) -> str:
+    """The comparison's report: the tables per budget, the paired comparisons, the sync frontier, how far the
+    per-round curve can be trusted, and the learning-rate sweep."""
+    c = p.compare
+    out = ["# SPES vs baselines at equal tokens\n",
+           f"Seeds {list(c.seeds)}, learning rates {list(c.lrs)} (best of each variant shown), budgets "
+           f"{list(c.budgets)} x spes.rounds; held-out loss on the whole held-out split (mean +- std over seeds; "
+           f"SE = standard error of one run's mean loss over its windows, clustered by document; the difference to "
+           f"{c.baseline} is paired by seed and window, with its document-clustered standard error); baseline: "
+           f"{c.baseline}.\n"]
+    mem_budget = summary.get("node_memory")
+    if mem_budget:
+        out.append(f"\nMemory per node: at most {_fmt_bytes(mem_budget)} MiB of weights + gradients + Adam "
+                   f"(compare.node_memory: {c.node_memory}); planned by spes/train/plan.py, measured = what a node's "
+                   "tensors held after its last step.\n")
+    out += _budget_tables(p, summary, mem_budget)
+    out += _pairs_section(summary) + _frontier_section(p, summary) + _slice_section(summary) + _sweep_section(summary)
+    return "\n".join(out) + "\n"
+
+
+def _budget_tables(p: Params, summary: dict, mem_budget: Optional[float]) -> list[str]:
+    c, out = p.compare, list[str]()
+    for budget in c.budgets:
+        out += [f"\n## Budget {budget}x\n",
+                f"| variant | experts | seeds | lr | held-out loss | SE | ratio to {c.baseline} | minus {c.baseline} "
+                "(paired SE) | tokens | trainable params / node | weights+grads+Adam MiB / node (planned, measured)"
+                + (" | within the memory budget" if mem_budget else "") + " | MiB on the wire / node / round | wall s |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if mem_budget else "")]
+        for r in (r for r in summary["rows"] if r["budget"] == budget):
+            paired = "-" if r["diff_to_baseline"] is None else \
+                f"{r['diff_to_baseline']:+.4f} ({r['diff_to_baseline_se']:.4f})"
+            within = "" if not mem_budget else \
+                f" {'yes' if r['memory_bytes_per_node'] <= mem_budget else 'no'} |"
+            out.append(f"| {r['variant']} | {r.get('num_experts') or '-'} | {r['seeds']} | {r['lr']:g} | "
+                       f"{r['heldout_loss_mean']:.4f} +- "
+                       f"{r['heldout_loss_std']:.4f} | {r['heldout_loss_se']:.4f} | {r['ratio_to_centralized']:.4f} | "
+                       f"{paired} | "
+                       f"{r['tokens']} | {r['trainable_params_per_node']} | {_fmt_bytes(r['memory_bytes_per_node'])}, "
+                       f"{_fmt_bytes(r.get('state_bytes_per_node'))} |{within} "
+                       f"{_fmt_bytes(r['bytes_per_node_per_round'])} | {r['wall_s']:.0f} |")
+    return out
+
+
+def _pairs_section(summary: dict) -> list[str]:
+    out: list[str] = []
+    if not summary.get("pairs"):
+        return out
+    out += ["\n## Paired comparisons (compare.pairs: variant minus reference, same seed, lr and held-out "
+            "windows)\n",
+            "Beyond noise ('better'/'worse') = more than twice the document-clustered SE and twice the SE over "
+            "seeds away from zero, every seed on the same side; otherwise 'within noise'.\n",
+            "| variant | reference | budget | lr | seeds | difference | document-clustered SE | per seed | "
+            "SE over seeds | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for x in summary["pairs"]:
+        seed_se = "-" if x["seed_se"] is None else f"{x['seed_se']:.4f}"
+        out.append(f"| {x['variant']} | {x['reference']} | {x['budget']}x | {x['lr']:g} | {x['seeds']} | "
+                   f"{x['diff']:+.4f} | {x['diff_se']:.4f} | {', '.join(f'{d:+.4f}' for d in x['per_seed'])} | "
+                   f"{seed_se} | {x['verdict']} |")
+    return out
+
+
+def _frontier_section(p: Params, summary: dict) -> list[str]:
+    c, out = p.compare, list[str]()
+    if not summary.get("frontier"):
+        return out
+    out += ["\n## Sync interval: held-out loss against bytes on the wire (frontier.svg)\n",
+            "Bytes each node moves (uploads and downloads) per training token it sees; fewer local steps per "
+            "round buy a lower loss with more traffic.\n",
+            f"| method | budget | sync_steps | seeds | held-out loss | minus {c.baseline} (paired SE) | "
+            f"minus the same method at sync_steps {p.spes.sync_steps} (paired SE) | bytes / node / token |",
+            "|---|---|---|---|---|---|---|---|"]
+    for f in summary["frontier"]:
+        out.append(f"| {f['method']} | {f['budget']}x | {f['sync_steps']} | {f['seeds']} | "
+                   f"{f['heldout_loss_mean']:.4f} +- {f['heldout_loss_std']:.4f} | "
+                   f"{_paired(f['diff_to_baseline'], f['diff_to_baseline_se'])} | "
+                   f"{_paired(f.get('diff_to_base_interval'), f.get('diff_to_base_interval_se'))} | "
+                   f"{f['bytes_per_node_per_token']:.1f} |")
+    return out
+
+
+def _slice_section(summary: dict) -> list[str]:
+    out: list[str] = []
+    sl = summary.get("slice")
+    if sl:
+        out += ["\n## How far the per-round held-out curve can be trusted\n",
+                f"The per-round held-out loss uses eval.round_batches batches ({', '.join(sl['round_windows'])} "
+                f"windows). At the last round of {sl['runs']} runs it differs from the whole split's loss of the same "
+                f"model by {sl['mean_diff']:+.4f} on average (at most {sl['max_abs_diff']:.4f}); it puts "
+                f"{100 * sl['pairs_same_order']:.0f}% of the pairs of runs in the whole split's order.\n"]
+    return out
+
+
+def _sweep_section(summary: dict) -> list[str]:
+    out = ["\n## Learning-rate sweep (mean held-out loss over seeds)\n", "| variant | budget | lr | loss | std |",
+            "|---|---|---|---|---|"]
+    for k, (mean, std) in summary["sweep"].items():
+        v, b, lr = k.split("|")
+        out.append(f"| {v} | {b}x | {float(lr):g} | {mean:.4f} | {std:.4f} |")
+    return out

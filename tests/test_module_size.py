@@ -1,0 +1,26 @@
+"""Small modules with one job each, functions that fit on a screen (issue 30, item 5): no module of spes/,
+pipelines/ or stages/ over 300 lines, no function over 60. A module that grows past it is split by concern
+(e.g. spes/run/rounds.py beside spes/run/run.py), not allowed an exception here."""
+import ast
+
+from tests.test_layers import ROOT, _modules
+
+MAX_MODULE_LINES = 300
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_module_over_300_lines():
+    long = {mod: n for mod, path in _modules().items()
+            if (n := len(open(path, encoding="utf-8").read().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}
+
+
+def test_no_function_over_60_lines():
+    long = []
+    for mod, path in _modules().items():
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{mod}.{node.name}: {n} lines")
+    assert long == [], ROOT
