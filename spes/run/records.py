@@ -9,60 +9,57 @@
     RoundRecord   how a round went (rounds/<r>/record/ manifest meta)
 
 Each record is a dataclass with `to_json()` and `from_json(d, where)`; `from_json` checks the shape (keys,
-types) and raises RecordError naming the file, so no reader meets a KeyError or a wrong type later.
+types: pydantic, strict) and raises RecordError naming the file, so no reader meets a KeyError or a wrong
+type later.
 `version` is RECORD_VERSION when written; a record without one is version 0 (written before records had
 versions), read the same way where its fields allow.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
+from typing import Any, Optional
+
+from pydantic import TypeAdapter, ValidationError
 
 from spes.errors import RecordError
 
 RECORD_VERSION = 1
 
 
-def _check(value: Any, hint: Any, where: str, key: str) -> Any:
-    """`value` converted to `hint` (records inside records, int keys of dicts), or RecordError."""
-    origin = get_origin(hint)
-    if origin is Union:
-        args = [a for a in get_args(hint) if a is not type(None)]
-        if value is None:
-            return None
-        return _check(value, args[0], where, key)
-    if isinstance(hint, type) and issubclass(hint, Record):
-        return hint.from_json(value, where)
-    if origin is list:
-        if not isinstance(value, list):
-            raise RecordError(f"{where}: {key} must be a list, got {type(value).__name__}")
-        (arg,) = get_args(hint) or (Any,)
-        return [_check(v, arg, where, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise RecordError(f"{where}: {key} must be an object, got {type(value).__name__}")
-        kt, vt = get_args(hint) or (Any, Any)
-        out = {}
-        for k, v in value.items():
-            try:
-                kk = int(k) if kt is int else k
-            except ValueError:
-                raise RecordError(f"{where}: {key} has a key {k!r} that is not a number") from None
-            out[kk] = _check(v, vt, where, f"{key}.{k}")
-        return out
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise RecordError(f"{where}: {key} must be a number, got {value!r}")
-        return float(value)
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise RecordError(f"{where}: {key} must be an integer, got {value!r}")
-        return value
-    if hint in (str, bool) and not isinstance(value, hint):
-        raise RecordError(f"{where}: {key} must be a {hint.__name__}, got {value!r}")
-    return value
+_ADAPTERS: dict[type, TypeAdapter] = {}
+
+
+def _adapter(cls: type) -> TypeAdapter:
+    """pydantic's validator of a record class, built once (building one takes milliseconds)."""
+    if cls not in _ADAPTERS:
+        _ADAPTERS[cls] = TypeAdapter(cls)
+    return _ADAPTERS[cls]
+
+
+def _problem(cls: type, e: ValidationError) -> str:
+    """The first thing wrong with a record, in words: the key (dotted) and what it should be."""
+    err = e.errors()[0]
+    key = ".".join(str(part) for part in err["loc"] if part != "[key]")
+    if err["type"] == "missing":
+        return f"{cls.__name__} lacks {key!r}"
+    got = err.get("input")
+    return f"{key or cls.__name__}: {err['msg'].lower()}, got {got!r}" + (
+        f" (and {e.error_count() - 1} more problems)" if e.error_count() > 1 else "")
+
+
+def _nested(value: Any):
+    """The records inside a record's field value (records inside records, lists and dicts of them)."""
+    if isinstance(value, Record):
+        yield value
+    elif isinstance(value, list):
+        for v in value:
+            yield from _nested(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _nested(v)
 
 
 def _to_json(value: Any) -> Any:
@@ -83,21 +80,26 @@ class Record:
 
     @classmethod
     def from_json(cls, d: Any, where: str):
+        """The record in `d` (parsed JSON), its shape checked by pydantic in strict JSON mode (no "3" for 3, no
+        true for 1; JSON's string keys read as the int keys a field declares), then what must hold of it as a
+        whole (`check`), records inside it included; a RecordError naming `where` otherwise."""
         if not isinstance(d, dict):
             raise RecordError(f"{where}: a {cls.__name__} must be a JSON object, got {type(d).__name__}")
-        hints = get_type_hints(cls)
-        kwargs = {}
-        for f in dataclasses.fields(cls):  # type: ignore[arg-type]  # a dataclass
-            if f.name in d:
-                kwargs[f.name] = _check(d[f.name], hints[f.name], where, f.name)
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise RecordError(f"{where}: {cls.__name__} lacks {f.name!r}")
-        version = kwargs.get("version", 0)
+        try:
+            record = _adapter(cls).validate_json(json.dumps(d), strict=True)
+        except ValidationError as e:
+            raise RecordError(f"{where}: {_problem(cls, e)}") from None
+        record._check_all(where)
+        return record
+
+    def _check_all(self, where: str) -> None:
+        version = getattr(self, "version", 0)
         if version > RECORD_VERSION:
             raise RecordError(f"{where}: record version {version} is newer than this code's ({RECORD_VERSION})")
-        record = cls(**kwargs)
-        record.check(where)
-        return record
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]  # a dataclass
+            for inner in _nested(getattr(self, f.name)):
+                inner._check_all(where)
+        self.check(where)
 
     def check(self, where: str) -> None:
         """What must hold of the record as a whole (fields that must agree), beyond each field's type: a

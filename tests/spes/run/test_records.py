@@ -3,7 +3,7 @@ an expert no owner or two, or a member no data slot, names the file instead of t
 import pytest
 
 from spes.errors import RecordError
-from spes.run.records import GlobalMeta, Membership
+from spes.run.records import GlobalMeta, Membership, RoundRecord
 
 WHERE = "storage/runs/r/rounds/000003/global"
 
@@ -30,3 +30,31 @@ def test_a_sound_membership_reads_back():
 def test_a_damaged_membership_names_the_file(owners, slots, message):
     with pytest.raises(RecordError, match=rf"^{WHERE}: .*{message}"):
         GlobalMeta.from_json(_meta(owners, slots), WHERE)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda d: d.pop("round"), r"GlobalMeta lacks 'round'"),
+    (lambda d: d.update(round="3"), r"round: input should be a valid integer, got '3'"),
+    (lambda d: d.update(round=True), r"round: input should be a valid integer, got True"),
+    (lambda d: d.update(merge_alpha="0.1"), r"merge_alpha: input should be a valid number"),
+    (lambda d: d["membership"]["owners"].update({"x": [1]}), r"membership.owners.x: input should be a valid integer"),
+    (lambda d: d["node_states"].update({"0": {"round": 2, "digest": "d"}}), r"StateRef lacks|checkpoint"),
+    (lambda d: d.update(version=99), r"record version 99 is newer than this code's"),
+])
+def test_a_record_of_the_wrong_shape_names_the_file_and_the_key(change, message):
+    d = _meta({0: [0, 1], 1: [2, 3]}, {0: 0, 1: 1})
+    d["node_states"] = {"1": {"round": 2, "digest": "d", "checkpoint": False}}
+    assert GlobalMeta.from_json(d, WHERE).node_states[1].round == 2  # JSON's string keys: the int keys declared
+    change(d)
+    with pytest.raises(RecordError, match=rf"^{WHERE}: .*{message}"):
+        GlobalMeta.from_json(d, WHERE)
+
+
+def test_a_record_inside_a_record_is_checked_as_a_whole_too():
+    """RoundRecord.aggregate is a GlobalMeta: its membership is checked when the round record is read."""
+    rec = RoundRecord(round=3, wall_s=1.0, max_node_compute_s=0.5, nodes=[],
+                      aggregate=GlobalMeta.from_json(_meta({0: [0, 1], 1: [2, 3]}, {0: 0, 1: 1}), WHERE)).to_json()
+    assert RoundRecord.from_json(rec, WHERE).aggregate.membership.members == [0, 1]
+    rec["aggregate"]["membership"]["owners"]["1"] = [2]
+    with pytest.raises(RecordError, match=rf"^{WHERE}: .*by nobody: \[3\]"):
+        RoundRecord.from_json(rec, WHERE)
