@@ -249,30 +249,6 @@ def test_the_report_marks_each_variant_within_the_memory_budget_or_over_it():
     assert "| 2.00, 3.00 | yes |" in rows[0] and "| 4.00, - | no |" in rows[1]
 
 
-def test_clustered_standard_errors():
-    """Windows of one document move together: clustering by document widens the SE; one window per document
-    gives back the ordinary SE of the mean (up to the G/(G-1) factor)."""
-    import math
-    import statistics
-
-    from spes.eval.stats import clustered_se, paired_difference
-
-    values = [1.0, 1.1, 0.9, 3.0, 3.1, 2.9]
-    naive = statistics.stdev(values) / math.sqrt(6)
-    assert clustered_se(values) == pytest.approx(naive * math.sqrt(6 / 5) * math.sqrt(5 / 6), rel=1e-12)
-    by_doc = clustered_se(values, [0, 0, 0, 1, 1, 1])
-    mean = statistics.fmean(values)
-    want = math.sqrt(2 * (sum(v - mean for v in values[:3]) ** 2 + sum(v - mean for v in values[3:]) ** 2)) / 6
-    assert by_doc == pytest.approx(want) and by_doc > naive
-    assert math.isnan(clustered_se(values, [0] * 6)) and clustered_se([1.0]) == 0.0
-    with pytest.raises(ValueError, match="6 values but 2 cluster labels"):
-        clustered_se(values, [0, 1])
-    runs = [{"seed": 0, "heldout_windows": [2.0, 2.1, 1.9, 4.0], "heldout_documents": [0, 0, 0, 1]}]
-    base = [{"seed": 0, "heldout_windows": [1.0, 1.0, 1.0, 1.0]}]
-    diff, se = paired_difference(runs, base)
-    assert diff == pytest.approx(1.5) and se == pytest.approx(clustered_se([1.0, 1.1, 0.9, 3.0], [0, 0, 0, 1]))
-
-
 def test_window_documents(tiny_tokens):
     import numpy as np
 

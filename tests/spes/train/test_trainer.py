@@ -67,12 +67,6 @@ def test_build_node_trainer_follows_the_ownership_settings():
     assert build_node_trainer(s, CausalLM(tiny_config()), 1).owned == (0, 1, 2, 3)
 
 
-def test_lr_schedule():
-    c = OptimConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
-    assert lr_at(0, c, 110) == pytest.approx(0.1) and lr_at(9, c, 110) == pytest.approx(1.0)
-    assert lr_at(60, c, 110) == pytest.approx(0.55) and lr_at(110, c, 110) == pytest.approx(0.1)
-
-
 def _pair(seed=3, **kw):
     """Two identical models and trainers (own experts 1 and 2), and a batch of 4 sequences."""
     out = []
@@ -173,17 +167,6 @@ def test_compiled_blocks_train_like_eager_and_replay_exactly():
     eager, comp, again = runs
     assert comp[:2] == pytest.approx(eager[:2], rel=1e-4)
     assert comp[:2] == again[:2] and all(torch.equal(comp[2][k], again[2][k]) for k in comp[2])
-
-
-def test_the_wsd_schedule_warms_up_holds_then_decays_linearly():
-    from spes.train.schedule import lr_at, stable_end
-
-    o = OptimConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=2, schedule="wsd", decay_fraction=0.25)
-    assert stable_end(o, 100) == 75
-    assert [lr_at(s, o, 100) for s in (0, 1, 2, 74)] == [0.5, 1.0, 1.0, 1.0]
-    assert lr_at(75, o, 100) == 1.0 and lr_at(100, o, 100) == pytest.approx(0.1)
-    assert lr_at(80, o, 100) == pytest.approx(1.0 - 0.9 * 5 / 25)
-    assert lr_at(80, o, 200) == 1.0  # a longer run: still stable at that step
 
 
 def test_state_bytes_counts_weights_gradients_and_adam_as_the_planner_does():
