@@ -17,6 +17,7 @@ picture's path and size are printed; a JSON line with the date closes the output
 removed at the end, also on failure or when killed.
 
     python docs/screenshots.py [--out docs] [--rounds 4] [--sync-steps 20] [--chromium /usr/bin/chromium]
+                               [--tokens DIR] [key=value ...]   # a test: given shards, a smaller model
 """
 from __future__ import annotations
 
@@ -155,7 +156,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="rounds of the run (half of them warm-up)")
     ap.add_argument("--sync-steps", type=int, default=20, help="local steps per round")
     ap.add_argument("--chromium", default=shutil.which("chromium") or shutil.which("chromium-browser"))
-    a = ap.parse_args()
+    ap.add_argument("--tokens", default=None, help="token shards to use instead of tokenizing the corpus")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides of params.yaml for the run (e.g. a smaller model)")
+    a = ap.parse_intermixed_args()
     if not a.chromium:
         raise SystemExit("no chromium on PATH: `apt-get install -y chromium`, or --chromium PATH")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still runs the finally below
@@ -174,17 +177,23 @@ def main() -> None:
         procs.append(subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
                                        "--port", str(port)], env=env, stdout=server_log, stderr=subprocess.STDOUT,
                                       start_new_session=True))
-        wait_http(f"{api}/health", 180, procs[0])
-        env["PREFECT_API_URL"] = api
         artifacts = os.path.join(tmp, "artifacts")
         overrides = [f"artifacts_dir={artifacts}", f"storage.url={os.path.join(tmp, 'storage')}",
                      f"orchestration.node_cache_dir={os.path.join(tmp, 'node-cache')}", f"orchestration.run_name={RUN}",
                      f"spes.rounds={a.rounds}", f"spes.warmup_rounds={max(1, a.rounds // 2)}",
-                     f"spes.sync_steps={a.sync_steps}", "dense.steps=40", "checkpoint.every_rounds=2"]
+                     f"spes.sync_steps={a.sync_steps}", "dense.steps=40", "checkpoint.every_rounds=2", *a.overrides]
+        first = [["stages.dense"], ["stages.upcycle"]]
+        if a.tokens:
+            shutil.copytree(a.tokens, os.path.join(artifacts, "tokens"))
+        else:
+            first.insert(0, ["stages.tokenize"])
         t0 = time.time()
         with open(os.path.join(tmp, "stages.log"), "w") as log:
-            for args in (["stages.tokenize"], ["stages.dense"], ["stages.upcycle"], ["stages.rounds", "warmup"],
-                         ["stages.rounds", "train"]):
+            for args in first:  # none of these needs Prefect: they run while its server starts
+                stage([*args, *overrides], env, log)
+            wait_http(f"{api}/health", 180, procs[0])
+            env["PREFECT_API_URL"] = api
+            for args in (["stages.rounds", "warmup"], ["stages.rounds", "train"]):
                 stage([*args, *overrides], env, log)
         trained_s = time.time() - t0
         procs.append(subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir",

@@ -16,14 +16,19 @@ PAGES = ("prefect-flow-run", "prefect-heldout-artifact", "prefect-round-table", 
 
 @pytest.mark.e2e
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="no chromium on PATH (apt-get install -y chromium)")
-def test_the_readmes_pictures_are_taken_by_a_script(tmp_path):
+def test_the_readmes_pictures_are_taken_by_a_script(tmp_path, tiny_tokens):
     from PIL import Image
 
     scratch = tmp_path / "tmp"
     scratch.mkdir()
+    # the session's tiny tokens and a tiny model: the same pages, in a fraction of the default's time
+    tiny = ["model.vocab_size=512", "model.hidden_size=32", "model.intermediate_size=32", "model.num_heads=4",
+            "model.num_kv_heads=4", "model.num_experts=4", "model.max_seq_len=64", "spes.merge.top_k=2",
+            "spes.batch_size=2", "spes.seq_len=32", "dense.seq_len=32", "dense.steps=10", "eval.seq_len=32",
+            "eval.round_batches=2", "eval.batch_size=2"]
     out = subprocess.run([sys.executable, os.path.join(ROOT, "docs", "screenshots.py"), "--out", str(tmp_path),
-                          "--rounds", "2", "--sync-steps", "10"], capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, TMPDIR=str(scratch)))
+                          "--rounds", "2", "--sync-steps", "5", "--tokens", tiny_tokens, *tiny],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, TMPDIR=str(scratch)))
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert sorted(report["screenshots"]) == sorted(PAGES)
