@@ -1,6 +1,8 @@
 """docs/screenshots.py in a real browser: a Prefect server and TensorBoard on loopback, a short run of the
 embedded default through the stages, and a picture of each page once its rendered text shows what it is for
-(issue 31, item 3). Needs the Debian chromium package; skipped, with that reason, where it is not installed."""
+(issue 31, item 3). Needs the Debian chromium package; skipped, with that reason, where it is not installed.
+Opt-in with SPES_BROWSER_TESTS=1: it takes a minute or more, and the whole suite must stay within 10 minutes on
+2 cores (measured 11 min 2 s with it on 2026-12-06)."""
 import json
 import os
 import shutil
@@ -15,6 +17,8 @@ PAGES = ("prefect-flow-run", "prefect-heldout-artifact", "prefect-round-table", 
 
 
 @pytest.mark.e2e
+@pytest.mark.skipif(not os.environ.get("SPES_BROWSER_TESTS"),
+                    reason="the browser check is opt-in (a minute or more): SPES_BROWSER_TESTS=1 runs it")
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="no chromium on PATH (apt-get install -y chromium)")
 def test_the_readmes_pictures_are_taken_by_a_script(tmp_path, tiny_tokens):
     from PIL import Image
