@@ -29,7 +29,7 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.cleanup import exit_on_termination  # noqa: E402
+from bench.cleanup import exit_on_termination, stop_process_group  # noqa: E402
 
 PARAMS = {  # params.yaml's embedded default model and round (50 steps of 8 x 128 tokens), a 512-token vocabulary
     "model": {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_layers": 2, "num_heads": 4,
@@ -148,11 +148,7 @@ def main() -> None:
                                        "start_to_end_s": sum(y for _, y in lags) / len(lags)}
     finally:
         for proc in reversed(procs):
-            try:
-                os.killpg(proc.pid, 15)
-                proc.wait(timeout=15)
-            except (OSError, subprocess.TimeoutExpired):
-                os.killpg(proc.pid, 9)
+            stop_process_group(proc, 15)
 
     def mean(xs):
         return sum(xs) / len(xs)

@@ -26,7 +26,6 @@ import datetime
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -37,6 +36,12 @@ import urllib.request
 from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.cleanup import exit_on_termination, stop_process_group  # noqa: E402
+from spes.cli import run_command  # noqa: E402
+from spes.errors import UsageError  # noqa: E402
+
 RUN = "default"
 WINDOW = "1680,1000"
 
@@ -160,8 +165,8 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="key=value overrides of params.yaml for the run (e.g. a smaller model)")
     a = ap.parse_intermixed_args()
     if not a.chromium:
-        raise SystemExit("no chromium on PATH: `apt-get install -y chromium`, or --chromium PATH")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still runs the finally below
+        raise UsageError("no chromium on PATH: `apt-get install -y chromium`, or --chromium PATH")
+    exit_on_termination()  # a kill still runs the finally below
     global PROFILE
     tmp = tempfile.mkdtemp(prefix="spes-screenshots-")
     PROFILE = tempfile.mkdtemp(prefix="spes-chromium-", dir="/tmp" if os.path.isdir("/tmp") else None)
@@ -215,15 +220,10 @@ def main() -> None:
                           "screenshots": taken}))
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
+            stop_process_group(proc, 20)
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(PROFILE, ignore_errors=True)
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)
