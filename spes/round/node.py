@@ -174,8 +174,9 @@ def train(ctx: NodeContext, r: int, node: int, data: TokenData, prev: Optional[d
         if m.expert_counts_LE is not None:
             counts = m.expert_counts_LE if counts is None else counts + m.expert_counts_LE
         if every and rank == 0 and ((i + 1) % every == 0 or i + 1 == s.sync_steps):
-            _log_progress(node, r, i + 1, s.sync_steps, float(m.ce), tokens, time.perf_counter() - t1)  # a host sync
-            timeline.append([i + 1, time.perf_counter() - t1])
+            elapsed = time.perf_counter() - t1
+            _log_progress(node, r, i + 1, s.sync_steps, float(m.ce), tokens, elapsed)  # a host sync
+            timeline.append([i + 1, elapsed])
         if on_step is not None:
             on_step(i)
     losses_cpu: list[float] = torch.stack(losses).tolist()  # the round's one wait for the device
