@@ -18,7 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from spes.config.loader import params_from_dict, to_dict
 from spes.config.schema import Params, check_name
 from spes.errors import ConfigError
-from spes.eval.stats import mean_std, over_seeds, paired_difference, seed_differences, seed_se, verdict
+from spes.eval.stats import mean_std, paired_difference, seed_differences, seed_se, verdict
 from spes.sync.methods import sync_method
 
 FIXED_PREFIXES = ("tokenize.", "init.", "dense.", "storage.", "artifacts_dir", "orchestration.run_name", "compare.",
@@ -165,11 +165,11 @@ def paired_comparisons(p: Params, runs: dict) -> list[dict]:
     for variant, reference in p.compare.pairs.items():
         for budget in p.compare.budgets:
             for lr in p.compare.lrs:
-                seeds = seed_differences(sorted(runs.get((variant, budget, lr), []), key=lambda r: r["seed"]),
-                                          runs.get((reference, budget, lr), []))
+                ran = sorted(runs.get((variant, budget, lr), []), key=lambda r: r["seed"])
+                seeds = seed_differences(ran, runs.get((reference, budget, lr), []))
                 if not seeds:
                     continue
-                diff, se = over_seeds(seeds)
+                diff, se = paired_difference(ran, runs.get((reference, budget, lr), []))
                 per_seed = [d for d, _ in seeds]
                 out.append({"variant": variant, "reference": reference, "budget": budget, "lr": lr,
                             "seeds": len(per_seed), "diff": diff, "diff_se": se, "per_seed": per_seed,

@@ -6,6 +6,7 @@ import math
 from typing import Optional
 
 from spes.config.schema import Params
+from spes.eval.stats import MIN_SEEDS_FOR_A_CLAIM
 
 
 def _fmt_bytes(n: Optional[float]) -> str:
@@ -24,7 +25,8 @@ def report_markdown(p: Params, summary: dict) -> str:
            f"Seeds {list(c.seeds)}, learning rates {list(c.lrs)} (best of each variant shown), budgets "
            f"{list(c.budgets)} x spes.rounds; held-out loss on the whole held-out split (mean +- std over seeds; "
            f"SE = standard error of one run's mean loss over its windows, clustered by document; the difference to "
-           f"{c.baseline} is paired by seed and window, with its document-clustered standard error); baseline: "
+           f"{c.baseline} is paired by seed and window; its SE is that of the seed-averaged per-window difference, "
+           f"clustered by document); baseline: "
            f"{c.baseline}.\n"]
     mem_budget = summary.get("node_memory")
     if mem_budget:
@@ -65,8 +67,10 @@ def _pairs_section(summary: dict) -> list[str]:
         return out
     out += ["\n## Paired comparisons (compare.pairs: variant minus reference, same seed, lr and held-out "
             "windows)\n",
-            "Beyond noise ('better'/'worse') = more than twice the document-clustered SE and twice the SE over "
-            "seeds away from zero, every seed on the same side; otherwise 'within noise'.\n",
+            "Beyond noise ('better'/'worse') = more than twice the document-clustered SE (of the seed-averaged "
+            "per-window difference) away from zero and outside the seeds' 95% t interval (t quantile for n-1 degrees "
+            f"of freedom x the SE over seeds), every seed on the same side; marked '(< {MIN_SEEDS_FOR_A_CLAIM} seeds)' "
+            "with fewer seeds, which is no claim; otherwise 'within noise'.\n",
             "| variant | reference | budget | lr | seeds | difference | document-clustered SE | per seed | "
             "SE over seeds | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
     for x in summary["pairs"]:

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from spes.config.loader import load_params, to_dict
-from spes.errors import ConfigError
+from spes.errors import ConfigError, DataError
 from spes.eval.compare import cells, check_matrix, run_tokens, summarize, variant_params
 from spes.eval.report import report_markdown
 from spes.sync.methods import sync_method
@@ -123,6 +123,33 @@ def test_paired_difference_to_the_baseline():
     assert summarize(p, no_windows)["rows"][0]["diff_to_baseline"] is None
 
 
+def test_the_seed_averaged_difference_is_clustered_by_document():
+    """By hand: seeds 0 and 1 on the same two documents (windows 0,1 | 2,3). Per-window differences
+    seed 0: 0.1, 0.3, -0.1, 0.1; seed 1: 0.3, 0.1, 0.1, -0.1; averaged over seeds: 0.2, 0.2, 0.0, 0.0
+    (mean 0.1). Document sums of deviations: +0.2 and -0.2; SE = sqrt(2/1 x 0.08) / 4 = 0.1. Combining the
+    seeds' own clustered SEs as if each had other documents (sqrt(0.1^2 + 0.1^2) / 2 = 0.0707) understates it."""
+    from spes.eval.stats import paired_difference, seed_differences
+
+    docs = [0, 0, 1, 1]
+    ref = [_windows("b", s, [2.0, 2.0, 2.0, 2.0], docs) for s in (0, 1)]
+    runs = [_windows("a", 0, [2.1, 2.3, 1.9, 2.1], docs), _windows("a", 1, [2.3, 2.1, 2.1, 1.9], docs)]
+    assert [d for d, _ in seed_differences(runs, ref)] == pytest.approx([0.1, 0.1])
+    assert [se for _, se in seed_differences(runs, ref)] == pytest.approx([0.1, 0.1])
+    diff, se = paired_difference(runs, ref)
+    assert diff == pytest.approx(0.1) and se == pytest.approx(0.1)
+
+
+def test_the_t_quantile_matches_the_tables():
+    from spes.eval.stats import t_quantile
+
+    for df, q in ((1, 12.7062), (2, 4.3027), (3, 3.1824), (4, 2.7764), (5, 2.5706), (10, 2.2281), (30, 2.0423)):
+        assert t_quantile(df) == pytest.approx(q, abs=1e-4)
+    assert t_quantile(1000) == pytest.approx(1.9623, abs=1e-4)
+    assert t_quantile(3, 0.90) == pytest.approx(2.3534, abs=1e-4)
+    with pytest.raises(DataError):
+        t_quantile(0)
+
+
 def _windows(variant, seed, windows, docs=(0, 0, 1, 1)):
     return _result(variant, seed, 0.002, sum(windows) / len(windows), heldout_windows=list(windows),
                    heldout_documents=list(docs))
@@ -131,7 +158,6 @@ def _windows(variant, seed, windows, docs=(0, 0, 1, 1)):
 def test_paired_comparisons_and_their_verdict():
     """compare.pairs: variant minus reference by seed and window; 'better'/'worse' only beyond twice the
     document-clustered SE, twice the SE over seeds and with every seed on one side."""
-    import math
 
     from spes.eval.stats import clustered_se, verdict
 
@@ -154,16 +180,25 @@ def test_paired_comparisons_and_their_verdict():
     assert (a["reference"], a["seeds"], a["lr"]) == ("spes-no-merge", 2, 0.002)
     assert a["per_seed"] == pytest.approx([-0.2, -0.3]) and a["diff"] == pytest.approx(-0.25)
     assert a["diff_se"] == pytest.approx(0.0, abs=1e-12) and a["seed_se"] == pytest.approx(0.05)
-    assert a["verdict"] == "better"
+    # 2 seeds: beyond the t interval needs |diff| > t(1 df) 12.706 x 0.05 = 0.635
+    assert a["verdict"] == "within noise"
     assert pairs["spes-k1"]["per_seed"] == pytest.approx([-0.1, 0.05]) and pairs["spes-k1"]["verdict"] == "within noise"
     c = pairs["spes-a02"]
     d = [-0.5, -0.5, 0.4, 0.4]
     assert c["diff"] == pytest.approx(-0.05) and c["seed_se"] == pytest.approx(0.0, abs=1e-12)
-    assert c["diff_se"] == pytest.approx(clustered_se(d, [0, 0, 1, 1]) / math.sqrt(2))
+    # both seeds scored the same documents the same way: averaging seeds does not shrink the document noise
+    assert c["diff_se"] == pytest.approx(clustered_se(d, [0, 0, 1, 1]))
     assert c["verdict"] == "within noise"
-    assert verdict(0.3, 0.1, [0.2, 0.4]) == "worse" and verdict(-0.3, 0.1, [-0.3]) == "one seed"
+    assert verdict(-0.3, 0.1, [-0.3]) == "one seed"
+    # seed SE 0.1/sqrt(2) = 0.0707: 0.3 is beyond 2 x 0.1 but not beyond 12.706 x 0.0707
+    assert verdict(0.3, 0.1, [0.2, 0.4]) == "within noise"
+    assert verdict(0.3, 0.01, [0.299, 0.301]) == "worse (< 4 seeds)"  # 0.3 > 12.706 x 0.001
+    # 4 seeds (t for 3 df: 3.182): SE over seeds sqrt(0.02 / 3) / 2 = 0.0408, and 3.182 x 0.0408 = 0.130 < 0.3;
+    # sqrt(0.17 / 3) / 2 = 0.1190, and 3.182 x 0.1190 = 0.379 > 0.3
+    assert verdict(0.3, 0.1, [0.2, 0.3, 0.3, 0.4]) == "worse"
+    assert verdict(0.3, 0.1, [0.05, 0.15, 0.45, 0.55]) == "within noise"
     md = report_markdown(p, summarize(p, results))
-    assert "| spes | spes-no-merge | 1x | 0.002 | 2 | -0.2500 | 0.0000 | -0.2000, -0.3000 | 0.0500 | better |" in md
+    assert "| spes | spes-no-merge | 1x | 0.002 | 2 | -0.2500 | 0.0000 | -0.2000, -0.3000 | 0.0500 | within noise |" in md
     p.compare.pairs = {"spes": "nope"}
     with pytest.raises(ConfigError, match=r"compare.pairs.spes: 'spes' -> 'nope' must name two different variants"):
         check_matrix(p)
