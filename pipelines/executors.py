@@ -20,6 +20,7 @@ from abc import ABC, abstractmethod
 from typing import Callable, Optional
 
 from pipelines import stopping
+from pipelines.node_events import NodeEvent
 from pipelines.node_pool import POOL
 from pipelines.request import NodeRequest
 from pipelines.round_progress import RoundProgress
@@ -28,7 +29,6 @@ from spes.config.schema import Params
 from spes.data.tokens import TokenData, check_vocab
 from spes.errors import IntegrityError, OrchestrationError, RecordError
 from spes.round.driver import round_members
-from spes.round.progress_line import relayed
 from spes.run.layout import tokens_dir
 from spes.run.local_runs import node_state_root
 from spes.run.node_state import NodeStateDir
@@ -96,11 +96,10 @@ class ProcessExecutor(NodeExecutor):
         req = NodeRequest(to_dict(p), run, r, node, checkpoint)
         progress = RoundProgress.of(run, r)
 
-        def relay(line: str) -> None:
-            text, event = relayed(line)
-            logger.info("node %d | %s", node, text)
-            if progress is not None and event is not None:
-                progress.node_done(node, event.fraction, event)
+        def relay(event: NodeEvent) -> None:
+            logger.info("node %d | %s", node, event.sentence())
+            if progress is not None and event.progress is not None:
+                progress.node_done(node, event.progress.fraction, event.progress)
 
         status, report = POOL.get(node).run_round(req, timeout_s, relay, cancelled=stopping.STOPPING.is_set)
         if status == "cancelled":

@@ -29,12 +29,12 @@ from typing import Optional
 from prefect import flow, get_run_logger
 
 from pipelines.library_logs import relay_library_logs
+from pipelines.node_events import NodeEvent
 from pipelines.node_host import HOST_ENV, host_round
 from pipelines.request import NodeRequest
 from spes.cli import run_command
 from spes.config.loader import params_from_dict
 from spes.errors import MissingInput, UsageError
-from spes.round.progress_line import relayed
 from spes.run.heartbeat import Heartbeat
 from spes.storage.files import FileStore
 
@@ -56,11 +56,10 @@ def spes_node(params: dict, run: str, r: int, node: int, tokens: Optional[str] =
         if host:  # the machine's warm node process
             from prefect.runtime import flow_run
 
-            def relay(line: str) -> None:  # to the Prefect log; its progress rides on the heartbeat
-                text, event = relayed(line)
-                logger.info("node %d | %s", node, text)
-                if event is not None:
-                    beat.progress, beat.event = event.fraction, event.fields()
+            def relay(event: NodeEvent) -> None:  # to the Prefect log; its progress rides on the heartbeat
+                logger.info("node %d | %s", node, event.sentence())
+                if event.progress is not None:
+                    beat.progress, beat.event = event.progress.fraction, event.progress.fields()
 
             key = str(flow_run.id)
             try:

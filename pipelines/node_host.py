@@ -9,13 +9,12 @@ and at most `limit` rounds at once (one per GPU).
 When the flow run goes away (cancelled by the orchestrator, killed), its connection closes and the host
 kills the node's round: a straggler does not keep its GPU busy into the next round.
 
-Wire format, one JSON object per line: the client sends a NodeRequest; the host answers `LOG <text>` lines,
-then the node worker's result line (pipelines/node_worker.py: `RESULT {"ok": ...}`).
+Wire format, one JSON object per line: the client sends a NodeRequest; the host answers with the round's
+events as the node worker wrote them (pipelines/node_events.py: log and progress, then the result).
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import select
 import socket
@@ -23,13 +22,12 @@ import tempfile
 import threading
 from typing import Callable, Iterable, Optional
 
+from pipelines.node_events import NodeEvent, read_stream, result_event
 from pipelines.node_pool import NodePool
-from pipelines.node_worker import RESULT, read_result, result_line
 from pipelines.request import NodeRequest
 from spes.errors import NodeFailed
 
 HOST_ENV = "SPES_NODE_HOST"
-LOG = "LOG "
 
 
 def _closed(conn: socket.socket) -> bool:
@@ -81,20 +79,20 @@ class NodeHost:
                 conn.sendall((line + "\n").encode())
 
             try:
-                req = NodeRequest.from_json(json.loads(rf.readline()))
+                req = NodeRequest.from_line(rf.readline())
                 if self.nodes is not None and req.node not in self.nodes:
                     raise NodeFailed(f"node {req.node} is not served by this host (it serves {sorted(self.nodes)})",
                                      retryable=False)
                 with self._node_lock(req.node), (self._slots or contextlib.nullcontext()):
                     status, report = self.pool.get(req.node).run_round(
-                        req, float("inf"), lambda line: send(LOG + line), cancelled=lambda: _closed(conn))
+                        req, float("inf"), lambda event: send(event.line()), cancelled=lambda: _closed(conn))
                 if status != "ok":
                     return  # the client is gone: nobody to answer
-                out = result_line(report)
+                out = result_event(report)
             except Exception as e:
-                out = result_line(error=e)
+                out = result_event(error=e)
             try:
-                send(out)
+                send(out.line())
             except OSError:
                 pass
 
@@ -108,10 +106,11 @@ class NodeHost:
             pass
 
 
-def host_round(path: str, req: NodeRequest, log: Callable[[str], None],
+def host_round(path: str, req: NodeRequest, on_event: Callable[[NodeEvent], None],
                on_connect: Optional[Callable[[socket.socket], None]] = None):
-    """The node's round through the host at `path`; its NodeReport. Raises NodeFailed as the host reports it.
-    `on_connect` gets the connection (shutting it down cancels the round)."""
+    """The node's round through the host at `path`; its NodeReport, its log and progress events to
+    `on_event`. Raises NodeFailed as the host reports it. `on_connect` gets the connection (shutting it
+    down cancels the round)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         try:
             conn.connect(path)
@@ -119,12 +118,6 @@ def host_round(path: str, req: NodeRequest, log: Callable[[str], None],
             raise NodeFailed(f"node {req.node}: no node host at {path} ({e})") from None
         if on_connect:
             on_connect(conn)
-        conn.sendall((json.dumps(req.to_json()) + "\n").encode())
+        conn.sendall((req.line() + "\n").encode())
         with conn.makefile("r", encoding="utf-8") as rf:
-            for line in rf:
-                line = line.rstrip("\n")
-                if line.startswith(LOG):
-                    log(line[len(LOG):])
-                elif line.startswith(RESULT):
-                    return read_result(line, req.node, req.round, f"node host {path}")
-    raise NodeFailed(f"node {req.node} round {req.round}: the node host closed the connection without a result")
+            return read_stream(rf, on_event, req.node, req.round, f"the node host at {path}")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
-import json
 import os
 import queue
 import signal
@@ -16,7 +15,8 @@ import threading
 import time
 from typing import Callable, Optional
 
-from pipelines.node_worker import NODES_HERE_ENV, RESULT, read_result
+from pipelines.node_events import NodeEvent, decode, report_of
+from pipelines.node_worker import NODES_HERE_ENV
 from pipelines.request import NodeRequest
 from spes.errors import NodeFailed
 from spes.run.records import NodeReport
@@ -60,13 +60,13 @@ class NodeProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def run_round(self, req: NodeRequest, timeout_s: float, log: Callable[[str], None],
+    def run_round(self, req: NodeRequest, timeout_s: float, on_event: Callable[[NodeEvent], None],
                   cancelled: Optional[Callable[[], bool]] = None) -> tuple[str, Optional[NodeReport]]:
         """('ok', meta), ('timeout', None) or, when `cancelled()` turns true (checked every second),
-        ('cancelled', None); the process is killed in both of the latter. Raises NodeFailed if the process
-        dies or the round errors."""
+        ('cancelled', None); the process is killed in both of the latter. The round's log and progress
+        events go to `on_event` as they come. Raises NodeFailed if the process dies or the round errors."""
         try:
-            self.proc.stdin.write(json.dumps(req.to_json()) + "\n")
+            self.proc.stdin.write(req.line() + "\n")
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             raise NodeFailed(f"node {self.node}: worker process is gone (exit {self.proc.poll()})") from None
@@ -85,9 +85,10 @@ class NodeProcess:
             if line is None:
                 rc = self.proc.wait()
                 raise NodeFailed(f"node {self.node} round {req.round}: worker process died (exit {rc})")
-            if line.startswith(RESULT):
-                return "ok", read_result(line, self.node, req.round, f"node {self.node} worker")
-            log(line)
+            event = decode(line)
+            if event.kind == "result":
+                return "ok", report_of(event, self.node, req.round, f"node {self.node} worker")
+            on_event(event)
 
     def kill(self) -> None:
         if self.alive():

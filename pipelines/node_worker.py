@@ -1,22 +1,19 @@
-"""A node's long-lived process: `python -m pipelines.node_worker` reads one JSON command per line on stdin,
-  {"params": {...resolved params...}, "run": "...", "round": r, "node": i, "checkpoint": bool, "tokens": key}
-runs that node's round (spes.round.node: its state from its local folder, the global from storage; a
-torchrun job of orchestration.gpus_per_node ranks where that is > 1, see node_ranks.py) and
-answers one line `RESULT {...}` on stdout with the node's meta. Staying alive across rounds saves the
+"""A node's long-lived process: `python -m pipelines.node_worker` reads one NodeRequest per line on stdin
+(pipelines/request.py), runs that node's round (spes.round.node: its state from its local folder, the global
+from storage; a torchrun job of orchestration.gpus_per_node ranks where that is > 1, see node_ranks.py)
+and writes the round's events on stdout (pipelines/node_events.py: its log and progress, then its result). Staying alive across rounds saves the
 interpreter and torch start (seconds per round on small machines); since every round reloads its state
 (its local folder, and storage), a killed worker is simply replaced and the result is the same.
 Faults for tests: `SPES_FAULT_PLAN` (pipelines/faults.py).
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
 import threading
 from typing import Optional
 
-RESULT = "RESULT "
 NODES_HERE_ENV = "SPES_NODES_HERE"
 """Set by a node host (pipelines/node_host.py) for its worker processes: the nodes sharing this machine's cores."""
 
@@ -31,26 +28,6 @@ def tokens_folder(p, store, req) -> str:
 
         return fetch_tokens(store, req.tokens, p.orchestration.node_cache_dir).folder
     return os.path.join(p.artifacts_dir, "tokens")
-
-
-def result_line(meta=None, error: Optional[BaseException] = None) -> str:
-    """The line that ends a node's round on the wire: its report, or its error and whether a retry may help."""
-    from spes.errors import retryable
-
-    out = {"ok": True, "meta": meta.to_json()} if error is None else \
-        {"ok": False, "error": f"{type(error).__name__}: {error}", "retryable": retryable(error)}
-    return RESULT + json.dumps(out)
-
-
-def read_result(line: str, node: int, r: int, where: str):
-    """The NodeReport of a result line; raises NodeFailed with the node's own error and retry advice."""
-    from spes.errors import NodeFailed
-    from spes.run.records import NodeReport
-
-    out = json.loads(line[len(RESULT):])
-    if not out["ok"]:
-        raise NodeFailed(f"node {node} round {r}: {out['error']}", retryable=out.get("retryable", True))
-    return NodeReport.from_json(out["meta"], where)
 
 
 def run_request(req, nodes_here: Optional[int], faults):
@@ -104,11 +81,12 @@ def serve() -> int:
     import torch._dynamo  # noqa: F401  the first optimizer construction imports it (~3 s): pay that before round 1
 
     from pipelines.faults import FaultPlan
+    from pipelines.node_events import EventFormatter, result_event
     from pipelines.request import NodeRequest
 
-    # the library's progress lines go to stdout, which the pool relays to the node task's Prefect log
+    # the library's log and progress go to stdout as events, which the pool relays to the node task's log
     handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.setFormatter(EventFormatter())
     logging.getLogger("spes").addHandler(handler)
     logging.getLogger("spes").setLevel(logging.INFO)
     faults = FaultPlan.from_env()
@@ -116,12 +94,12 @@ def serve() -> int:
         if not line.strip():
             continue
         try:
-            req = NodeRequest.from_json(json.loads(line))
+            req = NodeRequest.from_line(line)
             nodes_here = int(os.environ[NODES_HERE_ENV]) if os.environ.get(NODES_HERE_ENV) else None
-            out = result_line(run_request(req, nodes_here, faults))
+            out = result_event(run_request(req, nodes_here, faults))
         except Exception as e:  # report, stay alive for the next command
-            out = result_line(error=e)
-        print(out, flush=True)
+            out = result_event(error=e)
+        print(out.line(), flush=True)
     return 0
 
 

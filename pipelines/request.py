@@ -2,6 +2,7 @@
 this machine, a torchrun job of several ranks, a `spes-node` deployment on another machine)."""
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -26,6 +27,20 @@ class NodeRequest:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    def line(self) -> str:
+        """The request on the wire: one JSON line (a pipe, a socket or a torchrun job's request file)."""
+        return json.dumps(self.to_json())
+
+    @classmethod
+    def from_line(cls, line: str) -> "NodeRequest":
+        try:
+            d = json.loads(line)
+        except ValueError as e:
+            raise ProtocolError(f"not a node request (not JSON: {e})") from None
+        if not isinstance(d, dict):
+            raise ProtocolError("not a node request (not a JSON object)")
+        return cls.from_json(d)
 
     @classmethod
     def from_json(cls, d: dict) -> "NodeRequest":

@@ -16,6 +16,8 @@ keep working.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 
 class SpesError(Exception):
     """Root of every error raised on purpose by spes, pipelines and stages."""
@@ -147,11 +149,13 @@ class NonFiniteLoss(NodeError):
 
 class NodeFailed(NodeError):
     """A node's process or job died or reported an error; `retryable`: whether another try can end otherwise
-    (a dead process can; a non-finite loss or a refused state cannot)."""
+    (a dead process can; a non-finite loss or a refused state cannot). `node_error`: the node's own words,
+    where they came over a carrier (a carrier that relays the failure passes them on unchanged)."""
 
-    def __init__(self, message: str, retryable: bool = True):
+    def __init__(self, message: str, retryable: bool = True, node_error: Optional[str] = None):
         super().__init__(message)
         self.retryable = retryable
+        self.node_error = node_error
 
 
 def retryable(e: BaseException) -> bool:

@@ -68,9 +68,3 @@ def parse_progress(line: str) -> Optional[Progress]:
         return progress_of(d)
     except (ValueError, TypeError, KeyError, AttributeError):
         return None
-
-
-def relayed(line: str) -> tuple[str, Optional[Progress]]:
-    """What a relay logs for a line of a node's output (an event's sentence, else the line) and its event."""
-    event = parse_progress(line)
-    return (event.sentence() if event is not None else line), event
