@@ -187,9 +187,10 @@ def train(ctx: NodeContext, r: int, node: int, data: TokenData, prev: Optional[d
 
 
 def commit(ctx: NodeContext, r: int, node: int, inputs: RoundInputs, t: Trained, trained: dict[str, torch.Tensor],
-           optim: dict[str, torch.Tensor], checkpoint: bool, bytes_read0: int, bytes_written0: int) -> NodeReport:
+           optim: dict[str, torch.Tensor], checkpoint: bool, bytes_read0: int, bytes_written0: int,
+           seconds_read: float = 0.0) -> NodeReport:
     """Rank 0: encode the upload (`trained`: the trainer's upload), keep the node's state (`optim`: its
-    optimizer tensors) and checkpoint it, commit the upload."""
+    optimizer tensors) and checkpoint it, commit the upload. `seconds_read`: what reading the inputs took."""
     t2 = time.perf_counter()
     p, store, layout, codec = ctx.p, ctx.store, ctx.layout, ctx.codec
     s = p.spes
@@ -220,10 +221,12 @@ def commit(ctx: NodeContext, r: int, node: int, inputs: RoundInputs, t: Trained,
         state_bytes=t.state_bytes, grad_norms=t.grad_norms, lb_losses=t.lb_losses, z_losses=t.z_losses,
         timeline=t.timeline)
     rel = layout.node_dir(r, node)
+    t_up = time.perf_counter()
     up = BundleWriter(store, rel)
     for fname, parts in files.items():
         up.add(fname, parts)
     meta.bytes_up_files = store.bytes_written - bytes_written0
+    meta.seconds_read, meta.seconds_upload = seconds_read, time.perf_counter() - t_up  # the manifest's own write not in it
     manifest = up.commit(meta.to_json())
     ref = inputs.ref
     local.prune_before(min(ref.round if ref else 0, last_checkpoint_round(r, p.checkpoint.every_rounds)))
@@ -249,11 +252,13 @@ def node_round(p: Params, store: Store, run: str, r: int, node: int, data: Token
         return done
     read0, written0 = store.bytes_read, store.bytes_written
     ctx = NodeContext.build(p, store, run)
+    t_read = time.perf_counter()
     inputs = read_inputs(ctx, r, node, from_checkpoint) if lead else None
+    t_read = time.perf_counter() - t_read
     prev, optim, job = _share(inputs, shards_node(p.spes.node_parallel))
     t = train(ctx, r, node, data, prev, optim, job, on_step)
     trained, optim = t.trainer.upload(), t.trainer.optimizer_tensors()  # every rank: gathers under fsdp
     if inputs is None:  # not rank 0
         return None
-    return commit(ctx, r, node, inputs, t, trained, optim, checkpoint, read0, written0)
+    return commit(ctx, r, node, inputs, t, trained, optim, checkpoint, read0, written0, t_read)
 

@@ -148,6 +148,10 @@ class UploadMeta(Record):
     """Each local step's router z-loss term, before its coefficient (empty: a dense model, or an older record)."""
     timeline: list[list[float]] = field(default_factory=list)
     """[local steps done, seconds of compute] at each progress line (orchestration.log_every_steps)."""
+    seconds_read: float = 0.0
+    """Reading the round's inputs: global r-1 (downloaded, or rebuilt from deltas) and the node's state."""
+    seconds_upload: float = 0.0
+    """Writing the upload's files to shared storage (its manifest and commit marker after: not in it)."""
     version: int = RECORD_VERSION
 
 

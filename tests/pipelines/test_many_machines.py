@@ -20,12 +20,12 @@ import yaml
 from spes.config.loader import load_params
 from spes.run.run import Run
 from spes.storage.store import Store
-from tests.pipelines.test_deployment import _api, _free_port, _wait_for
+from tests.pipelines.conftest import CREDS
+from tests.pipelines.test_deployment import _api, _wait_for
 from tests.pipelines.tiny_project import PARAMS, assert_same, init_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROUNDS, KILL_ROUND = 3, 2  # the tiny project's run (tests/pipelines/tiny_project.py)
-CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 def _params(root, endpoint: str, executor: str, bucket_prefix: str, **orchestration) -> str:
@@ -50,55 +50,6 @@ def _orchestrate(pfile: str, run: str, env: dict, cwd) -> tuple[subprocess.Popen
         proc = subprocess.Popen([sys.executable, "-c", code, pfile, run], cwd=cwd, env=env, stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     return proc, log
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, tiny_tokens):
-    """A moto S3 server, a Prefect server, and the environment of each 'machine'."""
-    from moto.server import ThreadedMotoServer
-
-    root = tmp_path_factory.mktemp("many")
-    s3 = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    s3.start()
-    host, port = s3.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    import s3fs
-
-    s3fs.S3FileSystem(endpoint_url=endpoint, key="testing", secret="testing").mkdir("spes-many")
-    api = f"http://127.0.0.1:{_free_port()}/api"
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "AWS_", "SPES_"))}
-    base.update(CREDS, PYTHONPATH=ROOT, PREFECT_API_URL=api, PREFECT_SERVER_ANALYTICS_ENABLED="false",
-                PREFECT_UI_ENABLED="false")
-    procs = []
-    server_env = dict(base, PREFECT_HOME=str(root / "server-home"))
-    log = open(root / "server.log", "w")
-    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
-                               api.split(":")[2].split("/")[0], "--no-ui"], env=server_env, stdout=log,
-                              stderr=subprocess.STDOUT, start_new_session=True)
-    procs.append(server)
-    try:
-        _wait_for("prefect server", lambda: _api(api, "/health") is True, 180, procs)
-        # the orchestrator's folder: the token shards (it publishes them to S3) and its params; nodes have nothing
-        orch = root / "orchestrator"
-        (orch / "artifacts").mkdir(parents=True)
-        os.symlink(tiny_tokens, orch / "artifacts" / "tokens")
-
-        def machine_env(name: str) -> dict:
-            home = root / name
-            home.mkdir(exist_ok=True)
-            return dict(base, HOME=str(home), PREFECT_HOME=str(home / ".prefect"))
-
-        yield {"root": root, "endpoint": endpoint, "api": api, "orch": orch, "env": machine_env}
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
-        log.close()
-        s3.stop()
 
 
 class Machine:

@@ -10,7 +10,7 @@ from spes.model.transformer import CausalLM
 from spes.round.aggregator import aggregate_round
 from spes.round.fetch import delta_files
 from spes.round.inputs import NodeContext
-from spes.round.node import node_round
+from spes.round.node import node_report, node_round
 from spes.run.identity import InitModel, settings_fingerprint
 from spes.run.layout import MODEL_FILE
 from spes.run.local_runs import node_state_root
@@ -365,3 +365,20 @@ def test_averaged_optimizer_state_is_the_weighted_mean_of_the_nodes_moments(tmp_
     assert MOMENTS_FILE not in run2.store.read_manifest(run2.layout.global_dir(1))["files"]
     assert run2.store.read_bundle(run2.layout.global_dir(1)).files[MODEL_FILE].keys() == \
         run.store.read_bundle(run.layout.global_dir(1)).files[MODEL_FILE].keys()
+
+
+def test_a_node_times_its_download_and_its_upload_apart_from_its_compute(tmp_path, data):
+    """What a slow link costs a round shows in the record: reading the inputs and writing the upload's files
+    are timed apart from the steps (bench/wan_round.py splits a round's wall time by them)."""
+    import time
+
+    p = make_params(tmp_path)
+    run = start(p)
+    t = time.perf_counter()
+    (meta, _), _ = do_round(p, run, data, 1)
+    wall = time.perf_counter() - t
+    up = meta.upload
+    assert 0 < up.seconds_read and 0 < up.seconds_upload and 0 < up.seconds_compute
+    assert up.seconds_read + up.seconds_load + up.seconds_compute + up.seconds_upload < wall
+    again = node_report(run.store.read_manifest(run.layout.node_dir(1, 0)), "x").upload
+    assert (again.seconds_read, again.seconds_upload) == (up.seconds_read, up.seconds_upload)

@@ -1,0 +1,198 @@
+"""A round's wall time and its parts over slow links, against the link's rate (bench/slow_link.py: each node
+machine in its own network namespace, rate by tbf, latency and loss by a relay).
+
+Starts an S3-compatible server (moto) and a Prefect server on loopback; per rate, two node machines
+(`python -m pipelines.node_flow --nodes i`, each in its namespace, reaching both servers only through its
+link) and the orchestrator here (deployment executor) run the same few rounds of the embedded default's
+model and round (50 steps of 8 x 128 tokens per node, merging off: the steady state). From the round
+records of the middle rounds (round 1 pays the processes' start and the token fetch, the last round
+checkpoints every node's state to shared storage): per round the wall time and
+its parts: the slowest node's download (reading global r-1 and its state), train and upload (its files), the
+aggregation, and what is left (idle: the manifests and commit markers, the heartbeats, the orchestrator's and
+Prefect's share), and the ratio of wall time to compute, side by side per rate.
+
+    python bench/wan_round.py [--rates 100,20,4] [--rtt-ms 40] [--loss 0.001] [--rounds 4] [--json]
+
+Needs root (namespaces); says why not and exits 2 elsewhere.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.cleanup import exit_on_termination, stop_process_group  # noqa: E402
+from bench.deployment_overhead import PARAMS, _free_port, _get, _wait  # noqa: E402
+from bench.slow_link import Link, SlowLinks, available  # noqa: E402
+
+CREDS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def parts_of(records) -> dict:
+    """Mean over rounds of the wall time and its parts (seconds), and wall / compute."""
+    rows = []
+    for rec in records:
+        ok = [n for n in rec.nodes if n.ok]
+        load = max(n.upload.seconds_read for n in ok)
+        compute = max(n.seconds_compute for n in ok)
+        upload = max(n.upload.seconds_upload for n in ok)
+        aggregate = rec.aggregate.seconds_aggregate
+        node_path = max(n.upload.seconds_read + n.upload.seconds_load + n.seconds_compute + n.upload.seconds_upload
+                        for n in ok)
+        rows.append({"wall_s": rec.wall_s, "download_s": load, "train_s": compute, "upload_s": upload,
+                     "aggregate_s": aggregate, "idle_s": max(0.0, rec.wall_s - node_path - aggregate),
+                     "bytes_up": max(n.bytes_up for n in ok), "bytes_down": max(n.bytes_down for n in ok)})
+    mean = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
+    mean["wall_over_compute"] = mean["wall_s"] / mean["train_s"]
+    mean["transfer_over_compute"] = (mean["download_s"] + mean["upload_s"]) / mean["train_s"]
+    return mean
+
+
+def _machines(net: SlowLinks, env: dict, tmp: str) -> list[subprocess.Popen]:
+    procs = []
+    for node in net.nodes:
+        home = os.path.join(tmp, f"node-machine-{node.index}")
+        os.makedirs(home, exist_ok=True)
+        menv = dict(env, HOME=home, PREFECT_HOME=os.path.join(home, ".prefect"),
+                    PREFECT_API_URL=node.url("prefect") + "/api", AWS_ENDPOINT_URL_S3=node.url("s3"))
+        log = open(os.path.join(home, "node.log"), "a")
+        procs.append(subprocess.Popen(node.exec_args() + [sys.executable, "-m", "pipelines.node_flow", "--nodes",
+                                                          str(node.index)], cwd=home, env=menv, stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+    return procs
+
+
+def run_at(rate_mbit: float, a, env: dict, api: str, endpoint: str, pfile: str, tmp: str) -> dict:
+    """One run of a.rounds rounds with both nodes on links of `rate_mbit`; its parts per round."""
+    from spes.config.loader import load_params
+    from spes.run.run import Run
+    from spes.storage.store import Store
+
+    services = {"s3": ("127.0.0.1", int(endpoint.rsplit(":", 1)[1])),
+                "prefect": ("127.0.0.1", int(api.split(":")[2].split("/")[0]))}
+    link = Link(rate_mbit * 1e6, a.rtt_ms / 1000, a.loss)
+    run = f"wan-{rate_mbit:g}mbit"
+    with SlowLinks([link, link], services) as net:
+        procs = _machines(net, env, tmp)
+        try:
+            _wait("the node deployments", lambda: all(
+                _get(f"{api}/deployments/name/spes-node/spes-node-{i}").get("status") == "READY" for i in (0, 1)), 180)
+            before = [n.interface_bytes() for n in net.nodes]
+            code = ("import sys; from pipelines.training import spes_training; "
+                    "spes_training(params_path=sys.argv[1], stage='all', run_name=sys.argv[2])")
+            t = time.time()
+            out = subprocess.run([sys.executable, "-c", code, pfile, run], env=dict(env, AWS_ENDPOINT_URL_S3=endpoint),
+                                 capture_output=True, text=True, timeout=60 * (5 + 3 * a.rounds))
+            if out.returncode:
+                raise SystemExit(f"wan_round: the {run} run failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
+            iface = [tuple(x - y for x, y in zip(n.interface_bytes(), b)) for n, b in zip(net.nodes, before)]
+        finally:
+            for proc in procs:
+                stop_process_group(proc, 15)
+    store = Store.from_config(load_params(pfile).storage)
+    res = parts_of(Run(store, run).records(2, a.rounds - 1))
+    res.update(rate_mbit=rate_mbit, flow_s=time.time() - t,
+               interface_bytes_up=max(u for u, _ in iface), interface_bytes_down=max(d for _, d in iface))
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rates", default="100,20,4", help="link rates in Mbit/s, each way")
+    ap.add_argument("--rtt-ms", type=float, default=40.0)
+    ap.add_argument("--loss", type=float, default=0.001)
+    ap.add_argument("--rounds", type=int, default=4, help="at least 3: rounds 2 .. rounds-1 are measured")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    if a.rounds < 3:
+        print("wan_round: --rounds must be at least 3 (rounds 2 .. rounds-1 are measured)", file=sys.stderr)
+        sys.exit(2)
+    why = available()
+    if why:
+        print(f"wan_round: {why}", file=sys.stderr)
+        sys.exit(2)
+    import yaml
+    from moto.server import ThreadedMotoServer
+
+    from spes.data.tokenization import tokenize_corpus
+
+    exit_on_termination()
+    tmp = tempfile.mkdtemp(prefix="spes-wan-")
+    atexit.register(shutil.rmtree, tmp, True)
+    docs = [open(f, encoding="utf-8").read()
+            for f in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")))]
+    tokenize_corpus(docs, os.path.join(tmp, "artifacts", "tokens"), 512, None, 0.2, 0)
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request
+    s3 = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    s3.start()
+    host, port = s3.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    os.environ.update(CREDS, AWS_ENDPOINT_URL_S3=endpoint)  # this machine's way to the bucket (nodes: their link)
+    import s3fs
+
+    s3fs.S3FileSystem(endpoint_url=endpoint).mkdir("spes-wan")
+    p = json.loads(json.dumps(PARAMS))
+    p["spes"].update(rounds=a.rounds, merge={"enabled": False})
+    p["orchestration"].update(executor="deployment", threads_per_node=1, heartbeat_timeout_s=60,
+                              round_timeout_s=600)
+    p.update(artifacts_dir=os.path.join(tmp, "artifacts"), storage={"url": "s3://spes-wan/runs"})
+    pfile = os.path.join(tmp, "params.yaml")
+    with open(pfile, "w") as f:
+        yaml.safe_dump(p, f)
+    api = f"http://127.0.0.1:{_free_port()}/api"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "AWS_ENDPOINT"))}
+    env.update(CREDS, PYTHONPATH=ROOT, PREFECT_API_URL=api, PREFECT_HOME=os.path.join(tmp, "prefect"),
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="false")
+    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
+                               api.split(":")[2].split("/")[0], "--no-ui"], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        _wait("the Prefect server", lambda: _get(api + "/health") is True, 180)
+        _init_runs(pfile, [f"wan-{float(r):g}mbit" for r in a.rates.split(",")])
+        results = [run_at(float(r), a, env, api, endpoint, pfile, tmp) for r in a.rates.split(",")]
+    finally:
+        stop_process_group(server, 15)
+        s3.stop()
+    print(f"{'Mbit/s':>7} {'wall s':>7} {'down s':>7} {'train s':>8} {'up s':>6} {'agg s':>6} {'idle s':>7} "
+          f"{'transfer/compute':>17} {'wall/compute':>13} {'MB up':>6} {'MB down':>8}")
+    for r in results:
+        print(f"{r['rate_mbit']:>7g} {r['wall_s']:>7.1f} {r['download_s']:>7.1f} {r['train_s']:>8.1f} "
+              f"{r['upload_s']:>6.1f} {r['aggregate_s']:>6.1f} {r['idle_s']:>7.1f} {r['transfer_over_compute']:>17.2f} "
+              f"{r['wall_over_compute']:>13.2f} {r['bytes_up'] / 1e6:>6.2f} {r['bytes_down'] / 1e6:>8.2f}")
+    if a.json:
+        print(json.dumps({"rtt_ms": a.rtt_ms, "loss": a.loss, "rounds": a.rounds, "cases": results}))
+
+
+def _init_runs(pfile: str, runs: list[str]) -> None:
+    """Round 0 of each run: the same seeded model."""
+    import torch
+
+    from spes.config.loader import load_params
+    from spes.model.transformer import CausalLM
+    from spes.run.identity import InitModel, settings_fingerprint
+    from spes.run.run import Run
+    from spes.storage.store import Store
+
+    p = load_params(pfile)
+    store = Store.from_config(p.storage)
+    for run in runs:
+        torch.manual_seed(0)
+        Run(store, run).ensure(settings_fingerprint(p), InitModel.from_state(CausalLM(p.model).canonical_state_dict(),
+                                                                              p.model, "bench"))
+
+
+if __name__ == "__main__":
+    main()
