@@ -9,10 +9,8 @@
     RoundRecord   how a round went (rounds/<r>/record/ manifest meta)
 
 Each record is a dataclass with `to_json()` and `from_json(d, where)`; `from_json` checks the shape (keys,
-types: pydantic, strict) and raises RecordError naming the file, so no reader meets a KeyError or a wrong
-type later.
-`version` is RECORD_VERSION when written; a record without one is version 0 (written before records had
-versions), read the same way where its fields allow.
+types: pydantic, strict) and raises RecordError naming the file. `version` is RECORD_VERSION when written;
+one without it is version 0 (before records had versions), read the same way where its fields allow.
 """
 from __future__ import annotations
 
@@ -27,7 +25,6 @@ from pydantic import TypeAdapter, ValidationError
 from spes.errors import RecordError
 
 RECORD_VERSION = 1
-
 
 _ADAPTERS: dict[type, TypeAdapter] = {}
 
@@ -149,9 +146,9 @@ class UploadMeta(Record):
     timeline: list[list[float]] = field(default_factory=list)
     """[local steps done, seconds of compute] at each progress line (orchestration.log_every_steps)."""
     seconds_read: float = 0.0
-    """Reading the round's inputs: global r-1 (downloaded, or rebuilt from deltas) and the node's state."""
+    """Reading global r-1 (downloaded or rebuilt) and the node's state; seconds_upload: writing the upload's
+    files (its manifest and commit marker, written after, not in it)."""
     seconds_upload: float = 0.0
-    """Writing the upload's files to shared storage (its manifest and commit marker after: not in it)."""
     version: int = RECORD_VERSION
 
 

@@ -28,7 +28,7 @@ from spes.sync.method import SyncMethod
 from spes.sync.methods import sync_method
 
 COMMIT_BYTES = 64
-RECORD_BYTES = {"upload": 680, "global": 1520, "delta": 500}
+RECORD_BYTES = {"upload": 760, "global": 1520, "delta": 500}
 """A manifest's record (its `meta`) apart from its per-step, per-expert and per-node lists, as measured on
 the test model's rounds; kilobytes either way, next to tensor files of megabytes to gigabytes."""
 DIGITS = 22

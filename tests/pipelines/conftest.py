@@ -24,7 +24,9 @@ def cluster(tmp_path_factory, tiny_tokens):
     endpoint = f"http://{host}:{port}"
     import s3fs
 
-    s3fs.S3FileSystem(endpoint_url=endpoint, key="testing", secret="testing").mkdir("spes-many")
+    fs = s3fs.S3FileSystem(endpoint_url=endpoint, key="testing", secret="testing")
+    if not fs.exists("spes-many"):  # moto's state is per process: another module's server made it already
+        fs.mkdir("spes-many")
     api = f"http://127.0.0.1:{_free_port()}/api"
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "AWS_", "SPES_"))}
     base.update(CREDS, PYTHONPATH=ROOT, PREFECT_API_URL=api, PREFECT_SERVER_ANALYTICS_ENABLED="false",
