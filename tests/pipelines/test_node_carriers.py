@@ -24,20 +24,26 @@ def _params(tmp, carrier):
     return params_from_dict(to_dict(p))  # as a node reads it
 
 
-def _ask(carrier, req, events):
-    if carrier == "socket":
-        host = NodeHost([req.node])
-        try:
-            return host_round(host.path, req, events.append)
-        finally:
-            host.close()
-    proc = NodeProcess(req.node)
-    try:
-        status, report = proc.run_round(req, 300.0, events.append)
+class _Carrier:
+    """One carrier, its process started once for the requests it is asked (as a pool or a host keeps it)."""
+
+    def __init__(self, carrier: str):
+        self.carrier = carrier
+        self.host = NodeHost([0]) if carrier == "socket" else None
+        self.proc = None if self.host else NodeProcess(0)
+
+    def ask(self, req, events):
+        if self.host is not None:
+            return host_round(self.host.path, req, events.append)
+        status, report = self.proc.run_round(req, 300.0, events.append)
         assert status == "ok"
         return report
-    finally:
-        proc.close()
+
+    def close(self):
+        if self.host is not None:
+            self.host.close()
+        else:
+            self.proc.close()
 
 
 @pytest.fixture(scope="module")
@@ -47,14 +53,18 @@ def answers(tmp_path_factory, tiny_tokens):
     for carrier in CARRIERS:
         p = _params(tmp_path_factory.mktemp(carrier), carrier)
         run = start(p)
-        events = []
-        report = _ask(carrier, NodeRequest(to_dict(p), "r", 1, 0, tokens_dir=tiny_tokens), events)
-        files = run.store.read_manifest(RunLayout("r").node_dir(1, 0))["files"]
+        events: list = []
+        way = _Carrier(carrier)
         try:
-            _ask(carrier, NodeRequest(to_dict(p), "r", 3, 0, tokens_dir=tiny_tokens), [])
-            error = None
-        except NodeFailed as e:
-            error = e
+            report = way.ask(NodeRequest(to_dict(p), "r", 1, 0, tokens_dir=tiny_tokens), events)
+            files = run.store.read_manifest(RunLayout("r").node_dir(1, 0))["files"]
+            try:
+                way.ask(NodeRequest(to_dict(p), "r", 3, 0, tokens_dir=tiny_tokens), [])
+                error = None
+            except NodeFailed as e:
+                error = e
+        finally:
+            way.close()
         out[carrier] = report, events, {k: v["sha256"] for k, v in files.items()}, error
     return out
 
