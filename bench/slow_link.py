@@ -27,11 +27,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Optional
+from urllib.parse import urlsplit
 
 SUBNET = "10.213"
 SEGMENT = 1448
 RTO_S = 0.2
 MAX_CONNECTIONS = 512
+"""Connections a relay accepts over its life (the test's and the bench's runs open a few dozen)."""
+IN_FLIGHT = 16
+"""Chunks (of up to 64 KiB) a relay holds per direction of a connection."""
 LOCK = "/tmp/spes-slow-link.lock"
 
 
@@ -49,6 +53,14 @@ def available() -> Optional[str]:
         return f"network namespaces are not permitted here: {e}"
     _sh("ip", "netns", "del", probe, check=False)
     return None
+
+
+def service(url: str) -> tuple[str, int]:
+    """(host, port) of a server's URL (http://127.0.0.1:4200/api -> ('127.0.0.1', 4200)): a relay's target."""
+    parts = urlsplit(url)
+    if parts.hostname is None or parts.port is None:
+        raise ValueError(f"{url}: a relay needs a URL with a host and a port")
+    return parts.hostname, parts.port
 
 
 def _sh(*args: str, check: bool = True) -> str:
@@ -109,8 +121,10 @@ class Relay:
         return lost * RTO_S
 
     async def _pump(self, reader, writer, up: bool) -> None:
-        """Forward one direction: each chunk leaves rtt/2 (plus any loss stall) after it arrived, in order."""
-        queue: asyncio.Queue = asyncio.Queue()
+        """Forward one direction: each chunk leaves rtt/2 (plus any loss stall) after it arrived, in order.
+        At most IN_FLIGHT chunks wait in the relay: a fast sender is held back (as by a link's buffer), so a
+        large download does not pile up here in memory."""
+        queue: asyncio.Queue = asyncio.Queue(maxsize=IN_FLIGHT)
 
         async def send() -> None:
             while True:
@@ -141,7 +155,8 @@ class Relay:
         except (ConnectionError, OSError):
             pass
         finally:
-            await queue.put((0.0, None))
+            if not sender.done():  # cancelled at close(): its sender is gone, nobody would take the end mark
+                await queue.put((0.0, None))
             try:
                 await sender
             except (ConnectionError, OSError):
@@ -204,6 +219,16 @@ class NodeLink:
     def url(self, service: str) -> str:
         """How this node reaches a service: its relay on the host's end of the veth."""
         return f"http://{self.host_ip}:{self.relays[service].port}"
+
+    def machine_env(self) -> dict[str, str]:
+        """A node machine's environment for the services named "prefect" and "s3": its Prefect API and its
+        own endpoint to the bucket (botocore reads AWS_ENDPOINT_URL_S3), both through its link."""
+        env = {}
+        if "prefect" in self.relays:
+            env["PREFECT_API_URL"] = self.url("prefect") + "/api"
+        if "s3" in self.relays:
+            env["AWS_ENDPOINT_URL_S3"] = self.url("s3")
+        return env
 
     def exec_args(self) -> list[str]:
         return ["ip", "netns", "exec", self.namespace]

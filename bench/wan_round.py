@@ -34,7 +34,7 @@ sys.path.insert(0, ROOT)
 
 from bench.cleanup import exit_on_termination, stop_process_group  # noqa: E402
 from bench.deployment_overhead import PARAMS, _free_port, _get, _wait  # noqa: E402
-from bench.slow_link import Link, SlowLinks, available  # noqa: E402
+from bench.slow_link import Link, SlowLinks, available, service  # noqa: E402
 
 CREDS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
 
@@ -64,12 +64,11 @@ def _machines(net: SlowLinks, env: dict, tmp: str) -> list[subprocess.Popen]:
     for node in net.nodes:
         home = os.path.join(tmp, f"node-machine-{node.index}")
         os.makedirs(home, exist_ok=True)
-        menv = dict(env, HOME=home, PREFECT_HOME=os.path.join(home, ".prefect"),
-                    PREFECT_API_URL=node.url("prefect") + "/api", AWS_ENDPOINT_URL_S3=node.url("s3"))
-        log = open(os.path.join(home, "node.log"), "a")
-        procs.append(subprocess.Popen(node.exec_args() + [sys.executable, "-m", "pipelines.node_flow", "--nodes",
-                                                          str(node.index)], cwd=home, env=menv, stdout=log,
-                                      stderr=subprocess.STDOUT, start_new_session=True))
+        menv = dict(env, HOME=home, PREFECT_HOME=os.path.join(home, ".prefect"), **node.machine_env())
+        with open(os.path.join(home, "node.log"), "a") as log:  # the machine keeps its own copy of the file
+            procs.append(subprocess.Popen(node.exec_args() + [sys.executable, "-m", "pipelines.node_flow", "--nodes",
+                                                              str(node.index)], cwd=home, env=menv, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
     return procs
 
 
@@ -79,8 +78,7 @@ def run_at(rate_mbit: float, a, env: dict, api: str, endpoint: str, pfile: str, 
     from spes.run.run import Run
     from spes.storage.store import Store
 
-    services = {"s3": ("127.0.0.1", int(endpoint.rsplit(":", 1)[1])),
-                "prefect": ("127.0.0.1", int(api.split(":")[2].split("/")[0]))}
+    services = {"s3": service(endpoint), "prefect": service(api)}
     link = Link(rate_mbit * 1e6, a.rtt_ms / 1000, a.loss)
     run = f"wan-{rate_mbit:g}mbit"
     with SlowLinks([link, link], services) as net:

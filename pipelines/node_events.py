@@ -96,15 +96,25 @@ def report_of(event: NodeEvent, node: int, r: int, where: str) -> NodeReport:
     return NodeReport.from_json(out["meta"], where)
 
 
+def relay_line(line: str, on_event: Callable[[NodeEvent], None], node: int, r: int,
+               where: str) -> Optional[NodeReport]:
+    """One line of a carrier: its log or progress event to `on_event` (None back), or the round's report
+    when it is the result (NodeFailed when that result is the node's error)."""
+    event = decode(line)
+    if event.kind == "result":
+        return report_of(event, node, r, where)
+    on_event(event)
+    return None
+
+
 def read_stream(lines: Iterable[str], on_event: Callable[[NodeEvent], None], node: int, r: int,
                 where: str) -> NodeReport:
     """Relay a carrier's events to `on_event` until its result; raises NodeFailed when the stream ends
     without one."""
     for line in lines:
-        event = decode(line)
-        if event.kind == "result":
-            return report_of(event, node, r, where)
-        on_event(event)
+        report = relay_line(line, on_event, node, r, where)
+        if report is not None:
+            return report
     raise NodeFailed(f"node {node} round {r}: {where} ended without a result")
 
 
@@ -115,4 +125,5 @@ class EventFormatter(logging.Formatter):
         message = record.getMessage()
         if record.exc_info:
             message += "\n" + self.formatException(record.exc_info)
-        return decode(message).line() if parse_progress(message) else log_event(message).line()
+        progress = parse_progress(message)
+        return (NodeEvent("progress", progress=progress) if progress is not None else log_event(message)).line()

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from pipelines.node_events import NodeEvent, decode, report_of
+from pipelines.node_events import NodeEvent, relay_line
 from pipelines.node_worker import NODES_HERE_ENV
 from pipelines.request import NodeRequest
 from spes.errors import NodeFailed
@@ -85,10 +85,9 @@ class NodeProcess:
             if line is None:
                 rc = self.proc.wait()
                 raise NodeFailed(f"node {self.node} round {req.round}: worker process died (exit {rc})")
-            event = decode(line)
-            if event.kind == "result":
-                return "ok", report_of(event, self.node, req.round, f"node {self.node} worker")
-            on_event(event)
+            report = relay_line(line, on_event, self.node, req.round, f"node {self.node} worker")
+            if report is not None:
+                return "ok", report
 
     def kill(self) -> None:
         if self.alive():

@@ -1,9 +1,10 @@
 """A node's long-lived process: `python -m pipelines.node_worker` reads one NodeRequest per line on stdin
 (pipelines/request.py), runs that node's round (spes.round.node: its state from its local folder, the global
 from storage; a torchrun job of orchestration.gpus_per_node ranks where that is > 1, see node_ranks.py)
-and writes the round's events on stdout (pipelines/node_events.py: its log and progress, then its result). Staying alive across rounds saves the
-interpreter and torch start (seconds per round on small machines); since every round reloads its state
-(its local folder, and storage), a killed worker is simply replaced and the result is the same.
+and writes the round's events on stdout (pipelines/node_events.py: its log and progress, then its result).
+Staying alive across rounds saves the interpreter and torch start (seconds per round on small machines);
+since every round reloads its state (its local folder, and storage), a killed worker is simply replaced and
+the result is the same.
 Faults for tests: `SPES_FAULT_PLAN` (pipelines/faults.py).
 """
 from __future__ import annotations

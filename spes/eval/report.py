@@ -47,14 +47,12 @@ def _budget_tables(p: Params, summary: dict, mem_budget: Optional[float]) -> lis
                 + (" | within the memory budget" if mem_budget else "") + " | MiB on the wire / node / round | wall s |",
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if mem_budget else "")]
         for r in (r for r in summary["rows"] if r["budget"] == budget):
-            paired = "-" if r["diff_to_baseline"] is None else \
-                f"{r['diff_to_baseline']:+.4f} ({r['diff_to_baseline_se']:.4f})"
             within = "" if not mem_budget else \
                 f" {'yes' if r['memory_bytes_per_node'] <= mem_budget else 'no'} |"
             out.append(f"| {r['variant']} | {r.get('num_experts') or '-'} | {r['seeds']} | {r['lr']:g} | "
                        f"{r['heldout_loss_mean']:.4f} +- "
                        f"{r['heldout_loss_std']:.4f} | {r['heldout_loss_se']:.4f} | {r['ratio_to_centralized']:.4f} | "
-                       f"{paired} | "
+                       f"{_paired(r['diff_to_baseline'], r['diff_to_baseline_se'])} | "
                        f"{r['tokens']} | {r['trainable_params_per_node']} | {_fmt_bytes(r['memory_bytes_per_node'])}, "
                        f"{_fmt_bytes(r.get('state_bytes_per_node'))} |{within} "
                        f"{_fmt_bytes(r['bytes_per_node_per_round'])} | {r['wall_s']:.0f} |")

@@ -41,14 +41,8 @@ def seed_differences(runs: list[dict], base_runs: list[dict]) -> list[tuple[floa
 
 
 def paired_difference(runs: list[dict], base_runs: list[dict]) -> tuple[Optional[float], Optional[float]]:
-    """Mean over seeds of (loss - baseline loss) on the same held-out windows, and its standard error: the
-    seed-averaged per-window difference, clustered by document (`seed_averaged_difference`)."""
-    return seed_averaged_difference(runs, base_runs)
-
-
-def seed_averaged_difference(runs: list[dict], base_runs: list[dict]) -> tuple[Optional[float], Optional[float]]:
-    """Over the seeds both ran: the mean difference and the SE of the seed-averaged per-window difference,
-    clustered by document; (None, None) for no seed in common.
+    """Over the seeds both ran on the same held-out windows: the mean of (loss - baseline loss) and the SE of
+    the seed-averaged per-window difference, clustered by document; (None, None) for no seed in common.
 
     Every seed is scored on the same held-out documents, so a document's effect is shared by the seeds:
     averaging each window's difference over the seeds first, then clustering by document, keeps that

@@ -59,12 +59,15 @@ class Machine:
         self.cluster, self.name, self.args = cluster, name, args
         self.proc = None
 
+    prefix: list[str] = []
+    """What the command runs under (a network namespace: test_slow_link.py's machines)."""
+
     def start(self, **env) -> "Machine":
         log = open(self.cluster["root"] / f"{self.name}.log", "a")
         machine_env = self.cluster["env"](self.name)
-        self.proc = subprocess.Popen([sys.executable, "-m", "pipelines.node_flow", *self.args], cwd=machine_env["HOME"],
-                                     env=dict(machine_env, **env), stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(self.prefix + [sys.executable, "-m", "pipelines.node_flow", *self.args],
+                                     cwd=machine_env["HOME"], env=dict(machine_env, **env), stdout=log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
         return self
 
     def kill(self) -> None:

@@ -11,7 +11,7 @@ import time
 import pytest
 import yaml
 
-from bench.slow_link import Link, SlowLinks, available
+from bench.slow_link import Link, SlowLinks, available, service
 from spes.config.loader import load_params
 from spes.run.run import Run
 from spes.storage.store import Store
@@ -45,26 +45,15 @@ class NetMachine(Machine):
     def __init__(self, cluster, net: SlowLinks, i: int):
         super().__init__(cluster, f"wan-{i}", "--nodes", str(i))
         self.node = net.nodes[i]
+        self.prefix = self.node.exec_args()
 
     def start(self, **env) -> "Machine":
-        log = open(self.cluster["root"] / f"{self.name}.log", "a")
-        machine_env = dict(self.cluster["env"](self.name), PREFECT_API_URL=self.node.url("prefect") + "/api",
-                           AWS_ENDPOINT_URL_S3=self.node.url("s3"), **env)
-        import subprocess
-        import sys
-
-        self.proc = subprocess.Popen(self.node.exec_args() + [sys.executable, "-m", "pipelines.node_flow", *self.args],
-                                     cwd=machine_env["HOME"], env=machine_env, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        return self
+        return super().start(**self.node.machine_env(), **env)
 
 
 @pytest.fixture
 def wan(cluster):
-    services = {"s3": tuple(cluster["endpoint"].split("//")[1].split(":")),
-                "prefect": ("127.0.0.1", int(cluster["api"].split(":")[2].split("/")[0]))}
-    services = {k: (h, int(port)) for k, (h, port) in services.items()}
-    with SlowLinks([LINK, LINK], services) as net:
+    with SlowLinks([LINK, LINK], {"s3": service(cluster["endpoint"]), "prefect": service(cluster["api"])}) as net:
         yield net
 
 
