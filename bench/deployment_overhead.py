@@ -34,7 +34,7 @@ from bench.cleanup import exit_on_termination, stop_process_group  # noqa: E402
 PARAMS = {  # params.yaml's embedded default model and round (50 steps of 8 x 128 tokens), a 512-token vocabulary
     "model": {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_layers": 2, "num_heads": 4,
               "num_kv_heads": 4, "num_experts": 8, "top_k": 2, "max_seq_len": 256},
-    "spes": {"num_nodes": 2, "sync_steps": 50, "warmup_rounds": 1, "batch_size": 8, "seq_len": 128},
+    "sync": {"num_nodes": 2, "every_steps": 50, "warmup_rounds": 1}, "train": {"batch_size": 8, "seq_len": 128},
     "orchestration": {"round_timeout_s": 300},
     "checkpoint": {"every_rounds": 100},
     "dense": {"seq_len": 128}, "eval": {"seq_len": 128, "batches": 2, "batch_size": 2, "every_rounds": 0},
@@ -89,7 +89,7 @@ def main() -> None:
             for f in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")))]
     tokenize_corpus(docs, os.path.join(tmp, "artifacts", "tokens"), 512, None, 0.2, 0)
     p = json.loads(json.dumps(PARAMS))
-    p["spes"]["rounds"] = a.rounds
+    p["sync"]["rounds"] = a.rounds
     p.update(artifacts_dir=os.path.join(tmp, "artifacts"), storage={"url": os.path.join(tmp, "storage")})
     pfile = os.path.join(tmp, "params.yaml")
     with open(pfile, "w") as f:
@@ -156,7 +156,7 @@ def main() -> None:
     def per_round(executor, key="round_wall_s"):
         return mean([x for run, ex in pairs if ex == executor for x in walls[run][key]])
 
-    print(f"rounds 2..{a.rounds} of {a.repeat} runs per executor, {PARAMS['spes']['sync_steps']} steps each, "
+    print(f"rounds 2..{a.rounds} of {a.repeat} runs per executor, {PARAMS['sync']['every_steps']} steps each, "
           f"2 nodes on this machine, Prefect server on {'PostgreSQL' if a.database_url else 'SQLite'}")
     for k in range(a.repeat):
         p_w, d_w = mean(walls[f"process-{k}"]["round_wall_s"]), mean(walls[f"deployment-{k}"]["round_wall_s"])

@@ -41,9 +41,9 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from moe_step import matmul_peak, step_flops, timed  # noqa: E402
 
-from spes.config.schema import DenseConfig, EvalConfig, MergeConfig, ModelConfig, OptimConfig, Params, SpesConfig  # noqa: E402
+from spes.config.schema import DenseConfig, EvalConfig, MergeConfig, ModelConfig, OptimConfig, Params, TrainConfig  # noqa: E402
 from spes.model.transformer import CausalLM  # noqa: E402
-from spes.train.trainer import NodeTrainer  # noqa: E402
+from spes.train.trainer import Trainer  # noqa: E402
 
 GiB = 2**30
 
@@ -113,7 +113,7 @@ def check_moe_step(a, dev, peak: float) -> dict:
             break
         except Exception:
             continue
-    trainer = NodeTrainer(ours, range(cfg.num_experts), OptimConfig(lr=1e-4), 100, autocast_dtype="bfloat16")
+    trainer = Trainer(ours, range(cfg.num_experts), OptimConfig(lr=1e-4), 100, autocast_dtype="bfloat16")
     opt_hf = torch.optim.AdamW(hf.parameters(), lr=1e-4)
 
     def hf_step():
@@ -213,16 +213,16 @@ def check_planner(a, dev) -> dict:
     from spes.train.trainer import build_node_trainer
 
     p = load_params(os.path.join(ROOT, "configs", "spes-1b.yaml"))
-    cfg, s = p.model, p.spes
+    cfg, s = p.model, p.train
     if a.smoke:
         cfg = dataclasses.replace(cfg, vocab_size=512, hidden_size=64, intermediate_size=64, num_layers=2,
                                   num_heads=4, num_kv_heads=4, loss_chunk_tokens=32)
         s = dataclasses.replace(s, seq_len=64, autocast=None if dev.type == "cpu" else s.autocast)
     rows = []
     for micro in (1, 2):
-        s2 = dataclasses.replace(s, micro_batch_size=micro, batch_size=micro)
-        plan = plan_node(cfg, s2, 0)
-        x = torch.randint(0, cfg.vocab_size, (micro, s2.seq_len), device=dev)
+        s2 = dataclasses.replace(p, model=cfg, train=dataclasses.replace(s, micro_batch_size=micro, batch_size=micro))
+        plan = plan_node(s2, 0)
+        x = torch.randint(0, cfg.vocab_size, (micro, s2.train.seq_len), device=dev)
 
         def run():
             torch.manual_seed(0)
@@ -263,10 +263,10 @@ def check_node_round(a, dev) -> dict:
     init = CausalLM(cfg).canonical_state_dict()
     out = {}
     for key, where in (("reference", "cpu"), ("device", str(dev))):
-        p = Params(model=cfg, spes=SpesConfig(seq_len=64, merge=MergeConfig(top_k=2)), dense=DenseConfig(seq_len=64),
+        p = Params(model=cfg, train=TrainConfig(seq_len=64), merge=MergeConfig(top_k=2), dense=DenseConfig(seq_len=64),
                    eval=EvalConfig(seq_len=64))  # a Params is checked when built: sequences that fit the model
-        s = p.spes
-        s.num_nodes, s.sync_steps, s.rounds, s.warmup_rounds, s.batch_size = 2, 4, 2, 0, 4
+        s = p.sync
+        s.num_nodes, s.every_steps, s.rounds, s.warmup_rounds, p.train.batch_size = 2, 4, 2, 0, 4
         name = key
         p.storage.url, p.orchestration.device = os.path.join(tmp, f"{name}-storage"), where
         p.orchestration.node_state_dir = os.path.join(tmp, f"{name}-nodes")

@@ -24,7 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.cleanup import exit_on_termination  # noqa: E402
-from spes.config.schema import ModelConfig, SpesConfig  # noqa: E402
+from spes.config.loader import to_dict  # noqa: E402
+from spes.config.schema import ModelConfig, OrchestrationConfig, Params, SyncConfig, TrainConfig  # noqa: E402
 from spes.train.plan import plan_node  # noqa: E402
 
 MOE_S = dict(hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8, num_kv_heads=8, num_experts=8, top_k=2,
@@ -49,7 +50,8 @@ SEQ, NODES, STEPS = 512, 4, 3
 CHILD = """
 import json, os, sys, torch
 sys.path.insert(0, {root!r})
-from spes.config.schema import ModelConfig, SpesConfig
+from spes.config.loader import params_from_dict
+from spes.config.schema import ModelConfig
 from spes.train.trainer import build_node_trainer
 from spes.model.transformer import CausalLM
 def status(key):
@@ -61,7 +63,8 @@ if ranks > 1:
     dist.init_process_group('gloo')
 rank = int(os.environ.get('RANK', '0'))
 cfg = ModelConfig(**json.loads({cfg!r}))
-s = SpesConfig(**json.loads({spes!r}))
+p = params_from_dict(json.loads({params!r}))
+s = p.train
 cuda = torch.cuda.is_available()
 dev = torch.device('cuda', int(os.environ.get('LOCAL_RANK', '0'))) if cuda else torch.device('cpu')
 torch.manual_seed(0)
@@ -70,7 +73,7 @@ share = slice(rank * s.batch_size // ranks, (rank + 1) * s.batch_size // ranks)
 torch.set_num_threads(2)
 warm = ModelConfig(**{{**json.loads({cfg!r}), "num_layers": 1, "hidden_size": 64, "intermediate_size": 64,
                       "num_heads": 2, "num_kv_heads": 2, "vocab_size": 64}})  # thread pools etc. before measuring
-w = build_node_trainer(s, CausalLM(warm).to(dev), 0)
+w = build_node_trainer(p, CausalLM(warm).to(dev), 0)
 w.train_step(x[share, :16] % 64, x[share, :16] % 64, 0)
 del w
 if cuda:
@@ -82,11 +85,11 @@ else:
 if s.node_parallel == 'fsdp' and ranks > 1:
     with torch.device('meta'):
         model = CausalLM(cfg)
-    tr = build_node_trainer(s, model, 0, dev)
-    for p in model.parameters():  # values do not matter here, only that they are finite
-        torch.nn.init.normal_(p.to_local(), std=0.02)
+    tr = build_node_trainer(p, model, 0, dev)
+    for w in model.parameters():  # values do not matter here, only that they are finite
+        torch.nn.init.normal_(w.to_local(), std=0.02)
 else:
-    tr = build_node_trainer(s, CausalLM(cfg).to(dev), 0)
+    tr = build_node_trainer(p, CausalLM(cfg).to(dev), 0)
 for step in range({steps}):
     tr.train_step(x[share], x[share], step)
 peak = torch.cuda.max_memory_allocated() - base if cuda else status('VmHWM') - base
@@ -101,11 +104,9 @@ if ranks > 1:
 """
 
 
-def measure(cfg: dict, s: SpesConfig, ranks: int) -> dict:
-    spes = {k: v for k, v in s.__dict__.items() if k in ("method", "num_nodes", "batch_size", "micro_batch_size", "seq_len",
-                                                         "activation_checkpointing", "autocast", "frozen_dtype",
-                                                         "node_parallel")}
-    code = CHILD.format(root=ROOT, cfg=json.dumps(cfg), spes=json.dumps(spes), steps=STEPS)
+def measure(cfg: dict, p: Params) -> dict:
+    ranks = p.orchestration.gpus_per_node
+    code = CHILD.format(root=ROOT, cfg=json.dumps(cfg), params=json.dumps(to_dict(p)), steps=STEPS)
     # glibc keeps freed heap memory resident and raises its mmap threshold as it goes: a fixed threshold
     # makes the resident set follow what torch really holds
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
@@ -133,12 +134,12 @@ def main():
 
     rows = []
     for name, cfg, micro, ckpt, ranks, parallel in CASES:
-        s = SpesConfig(num_nodes=NODES, batch_size=8, micro_batch_size=micro, seq_len=SEQ, activation_checkpointing=ckpt,
-                       autocast="bfloat16" if torch.cuda.is_available() else None, node_parallel=parallel)
-        if ranks > 1:
-            s.micro_batch_size = min(micro, s.batch_size // ranks)
-        plan = plan_node(ModelConfig(**{**cfg, "max_seq_len": SEQ}), s, 0, ranks)
-        got = measure({**cfg, "max_seq_len": SEQ}, s, ranks)
+        s = TrainConfig(batch_size=8, micro_batch_size=min(micro, 8 // ranks), seq_len=SEQ, activation_checkpointing=ckpt,
+                        autocast="bfloat16" if torch.cuda.is_available() else None, node_parallel=parallel)
+        p = Params(model=ModelConfig(**{**cfg, "max_seq_len": SEQ}), sync=SyncConfig(num_nodes=NODES), train=s,
+                   orchestration=OrchestrationConfig(gpus_per_node=ranks))
+        plan = plan_node(p, 0, ranks)
+        got = measure({**cfg, "max_seq_len": SEQ}, p)
         rows.append({"case": name, "micro_batch": s.micro_batch_size, "checkpointing": ckpt, "ranks": ranks,
                      "parallel": plan["parallel"], "planned": plan["peak_bytes"], "measured": got["peak"],
                      "ratio": plan["peak_bytes"] / got["peak"], "device": got["device"]})

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from spes.config.schema import ModelConfig, OptimConfig  # noqa: E402
 from spes.model.hf import to_hf  # noqa: E402
 from spes.model.transformer import CausalLM  # noqa: E402
-from spes.train.trainer import NodeTrainer  # noqa: E402
+from spes.train.trainer import Trainer  # noqa: E402
 
 
 def timed(fn, steps):
@@ -87,7 +87,7 @@ def main():
         except Exception:
             continue
     opt_hf = torch.optim.AdamW(hf.parameters(), lr=1e-3)
-    full = NodeTrainer(ours, range(cfg.num_experts), OptimConfig(lr=1e-3), 100)
+    full = Trainer(ours, range(cfg.num_experts), OptimConfig(lr=1e-3), 100)
 
     def hf_step(model=hf):
         out = model(x, labels=x)
@@ -132,9 +132,9 @@ def main():
 
     k = cfg.num_experts // a.nodes
     torch.manual_seed(0)
-    t_full, m_full = peak(lambda: NodeTrainer(CausalLM(cfg).to(dev), range(cfg.num_experts), OptimConfig(), 100))
+    t_full, m_full = peak(lambda: Trainer(CausalLM(cfg).to(dev), range(cfg.num_experts), OptimConfig(), 100))
     torch.manual_seed(0)
-    t_node, m_node = peak(lambda: NodeTrainer(CausalLM(cfg).to(dev), range(k), OptimConfig(), 100))
+    t_node, m_node = peak(lambda: Trainer(CausalLM(cfg).to(dev), range(k), OptimConfig(), 100))
     kind = "peak MiB" if dev == "cuda" else "weights+grads+Adam MiB"
     print(f"full step {t_full * 1e3:8.1f} ms  {kind} {m_full:8.1f}")
     print(f"node step {t_node * 1e3:8.1f} ms  {kind} {m_node:8.1f}   ({k}/{cfg.num_experts} experts trainable)")
@@ -151,7 +151,7 @@ def main():
         times = {}
         for impl in ("loop", "triton"):
             torch.manual_seed(0)
-            tr = NodeTrainer(CausalLM(dataclasses.replace(cfg, experts_impl=impl)).to(dev), range(cfg.num_experts),
+            tr = Trainer(CausalLM(dataclasses.replace(cfg, experts_impl=impl)).to(dev), range(cfg.num_experts),
                              OptimConfig(), 100)
             times[impl] = timed(lambda: tr.train_step(x, x, 50), a.steps)
         print(f"fp32 full step: experts loop {times['loop'] * 1e3:.1f} ms, Triton {times['triton'] * 1e3:.1f} ms "

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.cleanup import exit_on_termination  # noqa: E402
-from spes.config.schema import MergeConfig, ModelConfig, Params, SpesConfig  # noqa: E402
+from spes.config.schema import MergeConfig, ModelConfig, Params  # noqa: E402
 from spes.data.shards import ShardWriter  # noqa: E402
 from spes.data.tokens import TokenData, write_index  # noqa: E402
 from spes.model.transformer import CausalLM  # noqa: E402
@@ -64,9 +64,9 @@ def synthetic_tokens(folder: str, vocab: int) -> TokenData:
 def make_params(a, root: str, method: str, codec: str) -> Params:
     cfg = ModelConfig(vocab_size=8192, hidden_size=a.hidden, intermediate_size=a.hidden, num_layers=a.layers,
                       num_heads=8, num_kv_heads=8, num_experts=a.experts, top_k=2, max_seq_len=128)
-    p = Params(model=cfg, spes=SpesConfig(merge=MergeConfig(enabled=False)))  # steady state: no merging round
-    s = p.spes
-    s.method, s.num_nodes, s.sync_steps, s.rounds, s.batch_size, s.seq_len = method, a.nodes, 1, 10, 1, 32
+    p = Params(model=cfg, merge=MergeConfig(enabled=False))  # steady state: no merging round
+    s = p.sync
+    s.method, s.num_nodes, s.every_steps, s.rounds, p.train.batch_size, p.train.seq_len = method, a.nodes, 1, 10, 1, 32
     p.sync.codec = codec
     p.storage.url, p.storage.keep_rounds = os.path.join(root, f"{method}-{codec}"), 2
     p.orchestration.device, p.orchestration.node_state_dir = "cpu", os.path.join(root, f"nodes-{method}-{codec}")
@@ -124,7 +124,7 @@ def time_aggregation(p: Params, store: Store, repeats: int, warm: bool) -> tuple
         t_agg.append(time.perf_counter() - t0)
         read, written = store.bytes_read - r0, store.bytes_written - w0
         inputs = [store.path(layout.global_dir(1), MODEL_FILE)] + [
-            store.path(layout.node_dir(2, i), f) for i in range(p.spes.num_nodes)
+            store.path(layout.node_dir(2, i), f) for i in range(p.sync.num_nodes)
             for f in store.read_manifest(layout.node_dir(2, i))["files"]]
         t0 = time.perf_counter()
         blobs = []

@@ -143,7 +143,7 @@ def main() -> None:
 
     s3fs.S3FileSystem(endpoint_url=endpoint).mkdir("spes-wan")
     p = json.loads(json.dumps(PARAMS))
-    p["spes"].update(rounds=a.rounds, merge={"enabled": False})
+    p["sync"]["rounds"], p["merge"] = a.rounds, {"enabled": False}
     p["orchestration"].update(executor="deployment", threads_per_node=1, heartbeat_timeout_s=60,
                               round_timeout_s=600)
     p.update(artifacts_dir=os.path.join(tmp, "artifacts"), storage={"url": "s3://spes-wan/runs"})

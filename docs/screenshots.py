@@ -185,8 +185,8 @@ def main() -> None:
         artifacts = os.path.join(tmp, "artifacts")
         overrides = [f"artifacts_dir={artifacts}", f"storage.url={os.path.join(tmp, 'storage')}",
                      f"orchestration.node_cache_dir={os.path.join(tmp, 'node-cache')}", f"orchestration.run_name={RUN}",
-                     f"spes.rounds={a.rounds}", f"spes.warmup_rounds={max(1, a.rounds // 2)}",
-                     f"spes.sync_steps={a.sync_steps}", "dense.steps=40", "checkpoint.every_rounds=2", *a.overrides]
+                     f"sync.rounds={a.rounds}", f"sync.warmup_rounds={max(1, a.rounds // 2)}",
+                     f"sync.every_steps={a.sync_steps}", "dense.steps=40", "checkpoint.every_rounds=2", *a.overrides]
         first = [["stages.dense"], ["stages.upcycle"]]
         if a.tokens:
             shutil.copytree(a.tokens, os.path.join(artifacts, "tokens"))

@@ -199,7 +199,7 @@ def check_node_deployments(p: Params, nodes=None) -> None:
                          "reach this process's temporary Prefect server; start one (prefect server start --host "
                          "0.0.0.0) and export PREFECT_API_URL=http://<this machine>:4200/api here and on every "
                          "node machine", retryable=False)
-    nodes = range(sync_method(p.spes).nodes) if nodes is None else nodes
+    nodes = range(sync_method(p).nodes) if nodes is None else nodes
     names = sorted({node_deployment(p.orchestration.node_deployment, i) for i in nodes})
     missing, idle = [], []
     with get_client(sync_client=True) as client:

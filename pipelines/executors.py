@@ -76,7 +76,7 @@ class ProcessExecutor(NodeExecutor):
     name = "process"
 
     def start(self, p: Params) -> None:
-        POOL.start(range(sync_method(p.spes).nodes))  # no-op for processes already started (stages.rounds)
+        POOL.start(range(sync_method(p).nodes))  # no-op for processes already started (stages.rounds)
 
     def share_tokens(self, p: Params, store: Store) -> Optional[str]:
         tokens = os.path.join(p.artifacts_dir, "tokens")

@@ -8,7 +8,7 @@ whose ranks train data parallel (DDP over the node's GPUs with NCCL, or CPU proc
 `orchestration.device` is cpu); rank 0 alone reads and writes shared storage. The job speaks the one node
 wire format (pipelines/node_events.py): REQUEST holds the NodeRequest's line, and rank 0 writes the round's
 result event to EVENTS, read back as every carrier's stream is. Every round reloads the node's state from
-its folder, so a job per round costs only the start of G interpreters, small next to `sync_steps` steps at
+its folder, so a job per round costs only the start of G interpreters, small next to `sync.every_steps` steps at
 the scale several GPUs are for.
 """
 from __future__ import annotations

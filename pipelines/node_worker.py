@@ -44,14 +44,14 @@ def run_request(req, nodes_here: Optional[int], faults):
     from spes.train.devices import node_threads
 
     p = params_from_dict(req.params)
-    threads = node_threads(p, nodes_here or sync_method(p.spes).nodes)
+    threads = node_threads(p, nodes_here or sync_method(p).nodes)
     torch.set_num_threads(threads)
     r, node, run = req.round, req.node, req.run
     store = Store.from_config(p.storage)
     meta = run_node(p, store, run, r, node, tokens_folder(p, store, req), threads, on_step=faults.hook(run, r, node),
                     checkpoint=req.checkpoint, from_checkpoint=req.from_checkpoint)
     faults.after_commit(run, r, node, store.path(RunLayout(run).node_dir(r, node)))
-    if r == p.spes.rounds:  # the run's last round: its local state goes once the run's last global is committed
+    if r == p.sync.rounds:  # the run's last round: its local state goes once the run's last global is committed
         threading.Thread(target=_forget_when_finished, args=(p, store, run, node), daemon=True).start()
     return meta
 

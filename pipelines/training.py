@@ -56,7 +56,7 @@ def _rename_flow_run(run: str, stage: str, resume_round) -> None:
 def spes_training(params_path: str = "params.yaml", overrides: Optional[list[str]] = None, stage: str = "all",
                   resume_round: Optional[Union[int, str]] = None, run_name: Optional[str] = None,
                   init_path: Optional[str] = None, on_mismatch: str = "error") -> dict:
-    """Run rounds up to the stage's last round ('warmup' -> spes.warmup_rounds, 'train'/'all' -> spes.rounds),
+    """Run rounds up to the stage's last round ('warmup' -> sync.warmup_rounds, 'train'/'all' -> sync.rounds),
     continuing after the latest committed round, or after round `resume_round` (later ones are set aside)."""
     relay_library_logs()
     if stage not in STAGES:
@@ -147,16 +147,16 @@ def _run_rounds(p: Params, executor: NodeExecutor, run: Run, lease: RunLease, st
     first = resume_point(p, run, resume_round, executor.local_state_checker(p, run))
     run.prune_superseded(p.storage.keep_superseded)
     run.check_global(first - 1)
-    last = p.spes.warmup_rounds if stage == "warmup" else p.spes.rounds
+    last = p.sync.warmup_rounds if stage == "warmup" else p.sync.rounds
     if first > last:  # e.g. resume_round=latest on a finished run: say so rather than "starting at round 11"
         logger.info("run %s: nothing to do: rounds 1-%d of the %s stage are committed (round %d is the latest)",
                     run.name, last, stage, first - 1)
     else:
         logger.info("run %s: starting at round %d of %d", run.name, first, last)
     tokens_key = executor.share_tokens(p, run.store) if first <= last else None
-    progress = create_progress_artifact(progress=100.0 * (first - 1) / p.spes.rounds,
+    progress = create_progress_artifact(progress=100.0 * (first - 1) / p.sync.rounds,
                                         key=artifact_key(run.name, "progress"),
-                                        description=f"rounds committed of {p.spes.rounds}")
+                                        description=f"rounds committed of {p.sync.rounds}")
     curve = HeldOutCurve(run, first)
     board = RunBoard(p, run.name, curve.tokens) if board_dir(p, run.name) and first <= last else None
     rounds = []
@@ -168,7 +168,7 @@ def _run_rounds(p: Params, executor: NodeExecutor, run: Run, lease: RunLease, st
         rounds.append(rec.round)
         logger.info("round %d committed: contributors %s, held-out loss %s, wall %.1fs",
                     r, rec.aggregate.contributors, rec.heldout_loss, rec.wall_s)
-        update_progress_artifact(progress, 100.0 * r / p.spes.rounds)
+        update_progress_artifact(progress, 100.0 * r / p.sync.rounds)
         if bar is not None:
             bar.set_postfix(heldout=f"{rec.heldout_loss:.4f}" if rec.heldout_loss is not None else "-")
             bar.update(1)

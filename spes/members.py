@@ -37,7 +37,7 @@ def main(argv=None) -> None:
     try:
         p = load_params(a.params, a.overrides)
         run = a.run or p.orchestration.run_name
-        store, method = Store.from_config(p.storage), sync_method(p.spes)
+        store, method = Store.from_config(p.storage), sync_method(p)
         if a.action == "show":
             latest, m = latest_membership(store, run, method)
             print(f"run {run}: round {latest + 1}'s members")
@@ -50,7 +50,7 @@ def main(argv=None) -> None:
             raise MembershipError(f"{a.action} needs --node")
         cap = None
         if a.gpu_mem is not None and a.action == "join":
-            cap = max_experts_fitting(p.model, p.spes, parse_bytes(a.gpu_mem, "--gpu-mem"), p.orchestration.gpus_per_node,
+            cap = max_experts_fitting(p, parse_bytes(a.gpu_mem, "--gpu-mem"), p.orchestration.gpus_per_node,
                                       f"node {a.node}")
         request(store, run, method, a.action, a.node, cap, p.orchestration.min_nodes)
     except ValueError as e:  # a builtin one from below (e.g. a malformed number): as a usage error

@@ -31,11 +31,11 @@ def main() -> None:
     p = load_params(a.params, a.overrides)  # a ConfigError ends the command in one line (spes.cli)
     gpu_mem = parse_bytes(a.gpu_mem, "--gpu-mem") if a.gpu_mem is not None else None
     link = None if a.link is None else link_plan(
-        p.model, p.spes, p.sync, p.orchestration.gpus_per_node, parse_rate(a.link, "--link"),
+        p, p.orchestration.gpus_per_node, parse_rate(a.link, "--link"),
         parse_duration(a.rtt, "--rtt"), parse_rate(a.storage_link, "--storage-link") if a.storage_link else None,
         a.tflops, a.mfu)
     if a.nodes:
-        cp = capacity_plan(p.model, p.spes, [parse_bytes(x, "--nodes") for x in a.nodes.split(",")],
+        cp = capacity_plan(p, [parse_bytes(x, "--nodes") for x in a.nodes.split(",")],
                            p.orchestration.gpus_per_node)
     if a.nodes:
         for i, (c, cap, peak, mem) in enumerate(zip(cp["experts_per_node"], cp["max_experts_per_node"],
@@ -46,11 +46,11 @@ def main() -> None:
         if a.json:
             print(json.dumps(cp))
         return
-    print("\n".join(report(p.model, p.spes, p.orchestration.gpus_per_node, gpu_mem)))
+    print("\n".join(report(p, p.orchestration.gpus_per_node, gpu_mem)))
     if link is not None:
         print("\n".join(link_report(link)))
     if a.json:
-        out = summary(p.model, p.spes, p.orchestration.gpus_per_node, gpu_mem)
+        out = summary(p, p.orchestration.gpus_per_node, gpu_mem)
         print(json.dumps(out if link is None else {**out, "link": link}))
 
 

@@ -16,7 +16,7 @@ def parse(description: str, stages: tuple[str, ...] = ()) -> tuple[argparse.Name
     if stages:
         ap.add_argument("stage", choices=stages)
     ap.add_argument("--params", default="params.yaml", help="the params file (default: params.yaml)")
-    ap.add_argument("overrides", nargs="*", help="key=value overrides of the params file, e.g. spes.rounds=12")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides of the params file, e.g. sync.rounds=12")
     a = ap.parse_intermixed_args()  # overrides anywhere on the line, as OmegaConf/Hydra users expect
     return a, load_params(a.params, a.overrides)  # a ConfigError ends the stage in one line (run)
 

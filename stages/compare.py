@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import os
 import sys
@@ -82,14 +83,14 @@ def run_cell(a) -> None:
     cell = Cell(a.variant, int(a.seed), float(a.lr), int(a.budget))
     vp = variant_params(p, cell.variant, cell.seed, cell.lr, cell.budget)
     overrides = list(p.compare.variants[cell.variant]) + [
-        f"spes.seed={cell.seed}", f"spes.optim.lr={cell.lr}", f"spes.rounds={vp.spes.rounds}",
+        f"train.seed={cell.seed}", f"train.optim.lr={cell.lr}", f"sync.rounds={vp.sync.rounds}",
         f"orchestration.run_name={cell.run_name}"]
     prefect_env_defaults()
     from pipelines.node_pool import POOL
     from pipelines.prefect_api import prefect_api
     from spes.sync.methods import sync_method
 
-    POOL.start(range(sync_method(vp.spes).nodes))
+    POOL.start(range(sync_method(vp).nodes))
     with prefect_api(), tempfile.TemporaryDirectory() as tmp:
         from pipelines.training import spes_training
 
@@ -110,7 +111,7 @@ def run_cell(a) -> None:
         if rec.heldout_loss is not None:
             curve.append({"round": rec.round, "tokens": tokens, "heldout_loss": rec.heldout_loss})
     rows = [n for rec in records for n in rec.nodes if n.ok]
-    mem = node_memory(model.cfg, vp.spes, 0)
+    mem = node_memory(dataclasses.replace(vp, model=model.cfg), 0)  # the trained model's own config
     result = {"variant": cell.variant, "seed": cell.seed, "lr": cell.lr, "budget": cell.budget, "run": cell.run_name,
               "rounds": last, "heldout_loss": ev["loss"], "heldout_se": ev["se"], "eval_tokens": ev["tokens"],
               "heldout_windows": ev["per_window"],
@@ -218,7 +219,7 @@ def study_dvcfile(params_path: str) -> dict:
     preset = params_path.replace(os.sep, "/")
     out = f"artifacts/{STUDY_PREFIX}{study_name(params_path)}"
     c = p.compare
-    run_params = [{preset: []}, {"params.yaml": ["model", "spes", "data", "sync", "eval"]}]
+    run_params = [{preset: []}, {"params.yaml": ["model", "sync", "train", "outer", "merge", "data", "eval"]}]
     report_outs = ["report.md", "report.csv", "pairs.csv", "heldout_curves.csv", "heldout_curves.svg"]
     if has_frontier(resolved):
         report_outs.append("frontier.svg")

@@ -32,7 +32,7 @@ def main() -> None:
     from spes.model.hf import export_hf
     from spes.model.transformer import CausalLM
     from spes.train.devices import resolve_device
-    from spes.train.trainer import NodeTrainer
+    from spes.train.trainer import Trainer
 
     torch.manual_seed(p.dense.seed)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -40,7 +40,7 @@ def main() -> None:
     data = TokenData.open(tokens)
     check_vocab(p.model.vocab_size, data, tokens)
     model = CausalLM(dataclasses.replace(p.model, num_experts=0)).to(resolve_device(p.orchestration.device))
-    trainer = NodeTrainer(model, (), p.dense.optim, p.dense.steps, autocast_dtype=p.spes.autocast)
+    trainer = Trainer(model, (), p.dense.optim, p.dense.steps, autocast_dtype=p.train.autocast)
     # one reader in the run's data order, keyed by its own seed
     stream = BatchStream(data.train, p.dense.batch_size, p.dense.seq_len, p.dense.seed, node=0, order=p.data.order)
     e = p.eval

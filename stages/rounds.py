@@ -1,12 +1,12 @@
 """DVC stages `warmup` and `train`: run SPES rounds through the Prefect flow.
 
-    python -m stages.rounds warmup     rounds 1..spes.warmup_rounds (expert merging on)
+    python -m stages.rounds warmup     rounds 1..sync.warmup_rounds (expert merging on)
     python -m stages.rounds train      the remaining rounds, from warmup's last committed round
 
 Reads artifacts/init (the upcycle stage's model) and artifacts/tokens; writes the rounds on shared storage
 (storage.url) and artifacts/<stage>/summary.json (what was computed), metrics.json (traffic, counts) and timings.json
 (wall-clock figures, kept out of the compared metrics).
-Example: python -m stages.rounds train spes.rounds=12
+Example: python -m stages.rounds train sync.rounds=12
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def _write_outputs(p, stage: str, out: dict) -> None:
     from spes.run.run import Run
     from spes.storage.store import Store
 
-    first, last = (1, p.spes.warmup_rounds) if stage == "warmup" else (p.spes.warmup_rounds + 1, p.spes.rounds)
+    first, last = (1, p.sync.warmup_rounds) if stage == "warmup" else (p.sync.warmup_rounds + 1, p.sync.rounds)
     run = Run(Store.from_config(p.storage), out["run"])
     rounds = run.records(first, last)
     stage_last = min(out["latest_committed"], last)

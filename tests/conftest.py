@@ -25,11 +25,11 @@ def tiny_config(**changes) -> ModelConfig:
 def tiny_params(seq_len: int = 16, **changes):
     """Params of the tiny model whose settings fit it (a Params is checked when built): every sequence
     length `seq_len`, 2 merge donors (fewer than the experts). Tests change the rest afterwards."""
-    from spes.config.schema import DenseConfig, EvalConfig, MergeConfig, Params, SpesConfig
+    from spes.config.schema import DenseConfig, EvalConfig, MergeConfig, Params, TrainConfig
 
     model = tiny_config(**changes)
     donors = max(1, min(2, model.num_experts - 1))
-    return Params(model=model, spes=SpesConfig(seq_len=seq_len, merge=MergeConfig(top_k=donors)),
+    return Params(model=model, train=TrainConfig(seq_len=seq_len), merge=MergeConfig(top_k=donors),
                   dense=DenseConfig(seq_len=seq_len), eval=EvalConfig(seq_len=seq_len))
 
 
@@ -43,6 +43,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.e2e)
         if item.get_closest_marker("gpu") and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="no CUDA device"))
+
+
+def params_of(*overrides: str):
+    """params.yaml's defaults (the schema's) with `key=value` overrides, as on a command line; validated."""
+    from omegaconf import OmegaConf
+
+    from spes.config.loader import params_from_dict, to_dict
+    from spes.config.schema import Params
+
+    return params_from_dict(OmegaConf.to_container(OmegaConf.merge(to_dict(Params()), OmegaConf.from_dotlist(list(overrides)))))
 
 
 @pytest.fixture

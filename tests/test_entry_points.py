@@ -39,10 +39,10 @@ def test_node_flow_refuses_to_serve_without_an_api_url():
     assert r.returncode != 0 and "PREFECT_API_URL is not set" in r.stderr
 
 
-@pytest.mark.parametrize("argv", [["stages.rounds", "train", "--params", "params.yaml", "spes.rounds=0"],
-                                  ["stages.rounds", "train", "spes.rounds=0", "--params", "params.yaml"],
-                                  ["spes.plan", "spes.rounds=0", "--json"]])
+@pytest.mark.parametrize("argv", [["stages.rounds", "train", "--params", "params.yaml", "sync.rounds=0"],
+                                  ["stages.rounds", "train", "sync.rounds=0", "--params", "params.yaml"],
+                                  ["spes.plan", "sync.rounds=0", "--json"]])
 def test_overrides_go_anywhere_on_the_line(argv):
     """An override after an option is an override (as OmegaConf/Hydra users expect), not 'unrecognized'."""
     r = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "spes.rounds must be >= 1, got 0" in r.stderr and "unrecognized" not in r.stderr, r.stderr
+    assert r.returncode != 0 and "sync.rounds must be >= 1, got 0" in r.stderr and "unrecognized" not in r.stderr, r.stderr

@@ -27,8 +27,8 @@ def test_the_readmes_pictures_are_taken_by_a_script(tmp_path, tiny_tokens):
     scratch.mkdir()
     # the session's tiny tokens and a tiny model: the same pages, in a fraction of the default's time
     tiny = ["model.vocab_size=512", "model.hidden_size=32", "model.intermediate_size=32", "model.num_heads=4",
-            "model.num_kv_heads=4", "model.num_experts=4", "model.max_seq_len=64", "spes.merge.top_k=2",
-            "spes.batch_size=2", "spes.seq_len=32", "dense.seq_len=32", "dense.steps=10", "eval.seq_len=32",
+            "model.num_kv_heads=4", "model.num_experts=4", "model.max_seq_len=64", "merge.top_k=2",
+            "train.batch_size=2", "train.seq_len=32", "dense.seq_len=32", "dense.steps=10", "eval.seq_len=32",
             "eval.round_batches=2", "eval.batch_size=2"]
     out = subprocess.run([sys.executable, os.path.join(ROOT, "docs", "screenshots.py"), "--out", str(tmp_path),
                           "--rounds", "2", "--sync-steps", "5", "--tokens", tiny_tokens, *tiny],

@@ -15,6 +15,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from spes.config.renamed import SPLIT_SECTIONS, former_name, new_name
 from spes.config.schema import Params
 from spes.errors import ConfigError
 
@@ -40,7 +41,7 @@ def _to_params(*configs: Any, where: str = "") -> Params:
 
 
 def _did_you_mean(key: str) -> str:
-    """'; did you mean spes.num_nodes?' for a key that is not in the schema but close to one that is."""
+    """'; did you mean sync.num_nodes?' for a key that is not in the schema but close to one that is."""
     import difflib
 
     known = [k for k in flatten(to_dict(Params())) if not k.startswith("compare.variants")]
@@ -57,7 +58,31 @@ def load_params(path: str = "params.yaml", overrides: Optional[list[str]] = None
     except (OmegaConfBaseException, yaml.YAMLError, ValueError) as e:  # a value YAML cannot parse: one line
         raise ConfigError(f"bad override in {overrides}: {type(e).__name__}: "
                           f"{(getattr(e, 'problem', None) or str(e)).splitlines()[0]}") from None
-    return _to_params(*_load_with_includes(path, ()), dotlist, where=f"{path}: ")
+    configs = _load_with_includes(path, ())
+    for cfg in configs:
+        _refuse_former_keys(cfg, f"{path}: ")
+    _refuse_former_keys(dotlist, "override: ")
+    return _to_params(*configs, dotlist, where=f"{path}: ")
+
+
+def _refuse_former_keys(cfg: Any, where: str) -> None:
+    """One line naming the new key of a setting of the former `spes` section (spes/config/renamed.py)."""
+    if not isinstance(cfg, DictConfig) or "spes" not in cfg:
+        return
+    spes = OmegaConf.to_container(cfg["spes"]) if isinstance(cfg["spes"], DictConfig) else None
+    for key in flatten(spes, "spes.") if spes else ["spes"]:
+        new = new_name(key)
+        if new is not None:
+            raise ConfigError(f"{where}{key} is now {new} (the spes section was split into "
+                              f"{', '.join(SPLIT_SECTIONS)})")
+    import difflib
+
+    key = next(iter(flatten(spes, "spes."))) if spes else "spes"
+    former = [k for k in flatten(to_dict(Params())) if k.split(".")[0] in SPLIT_SECTIONS]
+    close = difflib.get_close_matches(key, [former_name(k) for k in former], n=1, cutoff=0.75)
+    hint = f"; did you mean {new_name(close[0])}?" if close else ""
+    raise ConfigError(f"{where}the spes section was split into {', '.join(SPLIT_SECTIONS)}; "
+                      f"{key} is not a setting of any of them{hint}")
 
 
 def _load_with_includes(path: str, seen: tuple[str, ...]) -> list:
@@ -96,7 +121,9 @@ def _load_with_includes(path: str, seen: tuple[str, ...]) -> list:
 
 def params_from_dict(d: dict) -> Params:
     """A resolved params dict (what the flow hands to nodes) back into validated Params."""
-    return _to_params(OmegaConf.create(d))
+    cfg = OmegaConf.create(d)
+    _refuse_former_keys(cfg, "")
+    return _to_params(cfg)
 
 
 def to_dict(obj: Any) -> dict:

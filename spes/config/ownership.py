@@ -35,12 +35,12 @@ class Ownership:
 
     @classmethod
     def plan(cls, num_experts: int, num_nodes: int, explicit: list[list[int]] | None) -> "Ownership":
-        """The initial plan of a sparse method: `explicit` lists (spes.ownership), else contiguous blocks."""
+        """The initial plan of a sparse method: `explicit` lists (sync.ownership), else contiguous blocks."""
         if explicit is None:
             return cls.contiguous(num_experts, num_nodes)
         own = cls.from_lists(explicit, num_experts)
         if own.num_nodes != num_nodes:
-            raise OwnershipError(f"ownership lists {own.num_nodes} nodes but spes.num_nodes is {num_nodes}")
+            raise OwnershipError(f"ownership lists {own.num_nodes} nodes but sync.num_nodes is {num_nodes}")
         return own
 
     @classmethod
@@ -133,7 +133,7 @@ def with_node(owners: Owners, joiner: int, cap: Optional[int] = None) -> tuple[O
 
 def planned_changes(entries: list[str], rounds: int, num_nodes: int) -> list[tuple[int, str, int]]:
     """`orchestration.membership_plan` as (round, 'join'|'leave', node), in order: each entry is
-    '<join|leave> <node> after <R>' (R a round, or 'P%' of spes.rounds, at least round 1): the change is
+    '<join|leave> <node> after <R>' (R a round, or 'P%' of sync.rounds, at least round 1): the change is
     applied when round R is aggregated, so a leaver's last round is R and a joiner's first is R+1. Checked
     by playing it on the initial members 0..num_nodes-1: a join of a member, a leave of a non-member or of
     the last member is an error naming the entry."""

@@ -122,7 +122,7 @@ class OrchestrationConfig:
     """The run's writer lease on storage; refreshed every ttl/3 while a flow runs, free again after a crash."""
 
     def validate(self) -> None:
-        """This section's own invariants; the quorum and the plan against spes.num_nodes are Params'."""
+        """This section's own invariants; the quorum and the plan against sync.num_nodes are Params'."""
         o = self
         check_name(o.run_name, "orchestration.run_name")
         need(o.heartbeat_timeout_s > 0, f"orchestration.heartbeat_timeout_s must be > 0, got {o.heartbeat_timeout_s}")

@@ -4,7 +4,7 @@ checks beside the fields they check.
 Each section lives in its own module (model, training, stages, runtime; the choices of every enumerated
 setting in choices) and checks its own fields in `validate()`; `Params` checks what involves two sections
 (a sequence length against model.max_seq_len, the ownership plan against the model's experts, the quorum
-against spes.num_nodes) and runs every check when it is built, so a `Params` is valid however it was made:
+against sync.num_nodes) and runs every check when it is built, so a `Params` is valid however it was made:
 from the YAML (`spes/config/loader.py`), in code, in a test, from a node's JSON. Code that changes a field
 afterwards calls `validate()` again. The defaults are the embedded default's values (params.yaml sets them
 explicitly too, as documentation; tests/spes/config/test_loader.py keeps the two equal), so a unit test that
@@ -41,10 +41,10 @@ from spes.config.model import TRAINING_FIELDS, ModelConfig, model_for_training  
 from spes.config.ownership import Ownership, planned_changes
 from spes.config.runtime import CheckpointConfig, OrchestrationConfig, StorageConfig
 from spes.config.stages import CompareConfig, DataConfig, DenseConfig, EvalConfig, InitConfig, TokenizeConfig
-from spes.config.training import MergeConfig, OptimConfig, SpesConfig, SyncConfig  # noqa: F401
+from spes.config.training import MergeConfig, OptimConfig, OuterConfig, SyncConfig, TrainConfig  # noqa: F401
 from spes.errors import ConfigError, OwnershipError
 
-SEEDS = ("spes.seed", "tokenize.seed", "init.seed", "dense.seed")
+SEEDS = ("train.seed", "tokenize.seed", "init.seed", "dense.seed")
 """Every seed must be >= 0 (numpy refuses negative seeds)."""
 
 
@@ -55,8 +55,10 @@ class Params:
     data: DataConfig = field(default_factory=DataConfig)
     init: InitConfig = field(default_factory=InitConfig)
     dense: DenseConfig = field(default_factory=DenseConfig)
-    spes: SpesConfig = field(default_factory=SpesConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    merge: MergeConfig = field(default_factory=MergeConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     orchestration: OrchestrationConfig = field(default_factory=OrchestrationConfig)
@@ -72,7 +74,10 @@ class Params:
         self._check_numbers()
         self.storage.validate()
         self.model.validate()
-        self.spes.validate()
+        self.sync.validate()
+        self.train.validate()
+        self.outer.validate()
+        self.merge.validate()
         self._check_training()
         self.dense.validate()
         self.eval.validate()
@@ -84,7 +89,6 @@ class Params:
         self.orchestration.validate()
         self._check_quorum()
         self.checkpoint.validate()
-        self.sync.validate()
         return self
 
     def _check_numbers(self) -> None:
@@ -98,36 +102,40 @@ class Params:
             need(value >= 0, f"{key} must be >= 0, got {value}")
 
     def _check_training(self) -> None:
-        """The spes section against the model (experts to own, sequence length) and the node's ranks."""
-        m, s, ranks = self.model, self.spes, self.orchestration.gpus_per_node
+        """The method against the model (experts to own) and the outer step; the node's training against the
+        model (sequence length, donors to merge) and the node's ranks."""
+        m, s, t, ranks = self.model, self.sync, self.train, self.orchestration.gpus_per_node
         if s.method == "spes":
-            need(m.is_moe, "spes.method=spes needs an MoE model (model.num_experts > 0)")
+            need(m.is_moe, "sync.method=spes needs an MoE model (model.num_experts > 0)")
             try:  # the same function the nodes use to find their experts
                 Ownership.plan(m.num_experts, s.num_nodes, s.ownership)
             except OwnershipError as e:
-                key = "spes.ownership" if s.ownership is not None else "model.num_experts / spes.num_nodes"
+                key = "sync.ownership" if s.ownership is not None else "model.num_experts / sync.num_nodes"
                 raise ConfigError(f"{key}: {e}") from None
-        need(ranks < 1 or s.batch_size % ranks == 0,
-             f"spes.batch_size ({s.batch_size}) must be a multiple of orchestration.gpus_per_node ({ranks})")
-        need(s.node_parallel != "fsdp" or ranks > 1,
-             "spes.node_parallel is fsdp, which shards a node over its ranks, but orchestration.gpus_per_node is 1 "
+        need(self.outer.shared == "average" or s.method == "spes",
+             f"outer.shared: nesterov is for sync.method spes (diloco always takes its outer step; "
+             f"{s.method} averages), got method {s.method!r}")
+        need(ranks < 1 or t.batch_size % ranks == 0,
+             f"train.batch_size ({t.batch_size}) must be a multiple of orchestration.gpus_per_node ({ranks})")
+        need(t.node_parallel != "fsdp" or ranks > 1,
+             "train.node_parallel is fsdp, which shards a node over its ranks, but orchestration.gpus_per_node is 1 "
              "(use ddp, or 2 or more GPUs per node)")
-        mb, per_rank = s.micro_batch_size, s.batch_size // max(ranks, 1)
+        mb, per_rank = t.micro_batch_size, t.batch_size // max(ranks, 1)
         need(mb is None or (mb >= 1 and per_rank % mb == 0),
-             f"spes.micro_batch_size ({mb}) must divide the per-rank batch (spes.batch_size / "
+             f"train.micro_batch_size ({mb}) must divide the per-rank batch (train.batch_size / "
              f"orchestration.gpus_per_node = {per_rank})")
-        check_seq(s.seq_len, "spes.seq_len", m.max_seq_len)
-        if m.is_moe and s.merge.enabled:
-            need(s.merge.top_k < m.num_experts,
-                 f"spes.merge.top_k ({s.merge.top_k}) must be < model.num_experts ({m.num_experts})")
+        check_seq(t.seq_len, "train.seq_len", m.max_seq_len)
+        if m.is_moe and self.merge.enabled:
+            need(self.merge.top_k < m.num_experts,
+                 f"merge.top_k ({self.merge.top_k}) must be < model.num_experts ({m.num_experts})")
 
     def _check_quorum(self) -> None:
-        o, s = self.orchestration, self.spes
+        o, s = self.orchestration, self.sync
         mn = o.min_nodes
-        need(mn is None or 1 <= mn <= s.num_nodes, f"orchestration.min_nodes ({mn}) must be in [1, spes.num_nodes={s.num_nodes}]")
+        need(mn is None or 1 <= mn <= s.num_nodes, f"orchestration.min_nodes ({mn}) must be in [1, sync.num_nodes={s.num_nodes}]")
         planned_changes(o.membership_plan, s.rounds, s.num_nodes)  # raises OwnershipError (a ConfigError) naming the entry
         need(o.evict_after_rounds == 0 or (mn is not None and mn < s.num_nodes),
-             "orchestration.evict_after_rounds needs orchestration.min_nodes below spes.num_nodes: with a quorum of "
+             "orchestration.evict_after_rounds needs orchestration.min_nodes below sync.num_nodes: with a quorum of "
              "every member, a round a node misses fails before the node can be evicted")
 
 

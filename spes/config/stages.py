@@ -145,11 +145,11 @@ class CompareConfig:
     batch shrinks where nodes are added: 'spes-4nodes' halves it). Empty here: a dict default would be
     merged into, not replaced by, the one in params.yaml."""
     seeds: list[int] = field(default_factory=lambda: [0, 1])
-    """spes.seed of each repeat (data order and node randomness; the initial model stays the same)."""
+    """train.seed of each repeat (data order and node randomness; the initial model stays the same)."""
     lrs: list[float] = field(default_factory=lambda: [0.002])
     """The learning-rate sweep every variant gets (the best of each is reported, the sweep is shown)."""
     budgets: list[int] = field(default_factory=lambda: [1])
-    """Token budgets as multiples of spes.rounds (e.g. [1, 4]): does the gap shrink with tokens?"""
+    """Token budgets as multiples of sync.rounds (e.g. [1, 4]): does the gap shrink with tokens?"""
     baseline: str = "centralized"
     """The variant the others are divided by (ratio_to_centralized)."""
     pairs: dict[str, str] = field(default_factory=dict)

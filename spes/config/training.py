@@ -1,5 +1,7 @@
-"""The sections of training: the local optimizer, the `spes` section (method, schedule, node training, the
-outer optimizer, merging) and `sync` (what crosses the link)."""
+"""The sections of training, one per concern: `sync` (the method, its nodes, the rounds, and what crosses the
+link), `train` (each node's local training and its optimizer), `outer` (how the nodes' mean delta becomes the
+global's change) and `merge` (the expert-merging warm-up). Until the split they were one `spes` section;
+spes/config/renamed.py maps the former names."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -38,7 +40,7 @@ class OptimConfig:
     """wsd: the share of the total steps over which the rate decays."""
 
     def validate(self, key: str) -> None:
-        """`key`: where this optimizer sits (spes.optim, dense.optim)."""
+        """`key`: where this optimizer sits (train.optim, dense.optim)."""
         o = self
         need(o.schedule in SCHEDULES, f"{key}.schedule must be one of {'|'.join(SCHEDULES)}, got {o.schedule!r}")
         need(0.0 < o.decay_fraction <= 1.0, f"{key}.decay_fraction must be in (0, 1], got {o.decay_fraction}")
@@ -66,23 +68,64 @@ class MergeConfig:
 
     def validate(self) -> None:
         need(self.interval >= 1 and self.decay_steps >= 1 and self.top_k >= 1,
-             "spes.merge.interval/decay_steps/top_k must be >= 1")
-        need(0.0 <= self.alpha_start <= 1.0, f"spes.merge.alpha_start must be in [0, 1], got {self.alpha_start}")
+             "merge.interval/decay_steps/top_k must be >= 1")
+        need(0.0 <= self.alpha_start <= 1.0, f"merge.alpha_start must be in [0, 1], got {self.alpha_start}")
 
 
 @dataclass
-class SpesConfig:
+class SyncConfig:
+    """Who trains what, how often the nodes synchronise, and what crosses the link at a sync
+    (spes/sync/: the methods, spes/sync/deltas.py and spes/sync/codecs.py for the wire)."""
+
     method: str = "spes"
     """'spes', 'diloco', 'fedavg', 'fedadam' (a server Adam step, Reddi et al. 2021) or 'centralized' (one node,
-    num_nodes x batch_size)."""
+    num_nodes x train.batch_size)."""
     num_nodes: int = 2
     ownership: Optional[list[list[int]]] = None
     """Explicit expert ids per node; None = contiguous blocks."""
-    sync_steps: int = 50
-    warmup_rounds: int = 4
-    """Rounds run by the `warmup` stage (merging on); the `train` stage runs the rest."""
+    every_steps: int = 50
+    """Local optimizer steps per round: the nodes synchronise every this many steps."""
     rounds: int = 10
     """Total sync rounds."""
+    warmup_rounds: int = 4
+    """Rounds run by the `warmup` stage (merging on); the `train` stage runs the rest."""
+    token_weighted: bool = False
+    """Weight the shared-parameter mean by tokens each node trained on."""
+    codec: str = "fp32"
+    """Encoding of the deltas nodes upload and download: 'fp32' (exact), 'bf16', 'int8' (blockwise absmax)."""
+    error_feedback: bool = True
+    """With a lossy codec, keep each encoding's error and add it to the next round's delta (nodes keep theirs
+    in their local state, the aggregator its own beside the global model)."""
+    int8_block: int = 256
+    """Values per int8 scale (one fp32 scale per block)."""
+    average_optimizer_state: bool = False
+    """At each sync, nodes also upload their Adam moments (exp_avg, exp_avg_sq, fp32) of the averaged
+    parameters (SPES: the shared ones; the baselines: all), the aggregator averages them with the deltas'
+    weights into the global bundle, and every node continues from that mean (its step counts its own).
+    Costs twice those parameters' fp32 bytes up and down per round."""
+
+    @property
+    def total_steps(self) -> int:
+        return self.rounds * self.every_steps
+
+    def validate(self) -> None:
+        s = self
+        need(s.method in METHODS, f"sync.method must be one of {'|'.join(METHODS)}, got {s.method!r}")
+        need(s.num_nodes >= 1, "sync.num_nodes must be >= 1")
+        need(s.method == "spes" or s.ownership is None,
+             f"sync.ownership is only used by sync.method=spes (got method {s.method!r})")
+        need(s.every_steps >= 1, "sync.every_steps must be >= 1")
+        need(s.rounds >= 1, f"sync.rounds must be >= 1, got {s.rounds}")
+        need(0 <= s.warmup_rounds <= s.rounds, f"sync.warmup_rounds ({s.warmup_rounds}) must be in [0, sync.rounds={s.rounds}]")
+        need(s.codec in CODECS, f"sync.codec must be one of {'|'.join(CODECS)}, got {s.codec!r}")
+        need(s.int8_block >= 1, f"sync.int8_block must be >= 1, got {s.int8_block}")
+
+
+@dataclass
+class TrainConfig:
+    """Each node's local training between syncs (spes/train/trainer.py); the dense stage's trainer reads its
+    `autocast` too."""
+
     batch_size: int = 8
     """Sequences per optimizer step on each node (split over its ranks and micro-batches)."""
     micro_batch_size: Optional[int] = None
@@ -102,81 +145,50 @@ class SpesConfig:
     """torch.compile each transformer block (first steps of each node process pay the compile time)."""
     seq_len: int = 128
     seed: int = 0
-    token_weighted: bool = False
-    """Weight the shared-parameter mean by tokens each node trained on."""
     decayed_lb: bool = False
     """Own-expert load-balance factor rising 0.7 -> 1.0 over the first 20% of steps."""
     frozen_dtype: str = "float32"
     """Storage dtype of frozen experts on a node ('float32' or 'bfloat16')."""
     autocast: Optional[str] = None
     """Mixed precision of the forward pass: None (fp32), 'bfloat16' or 'float16' (torch.autocast)."""
-    outer_lr: float = 0.7
-    """The outer (server) learning rate: DiLoCo's SGD (0.7), spes with shared_outer nesterov, FedAdam's Adam
-    (there about 1e-2..1e-1: Adam's steps are normalised, 0.7 is far too large)."""
-    outer_momentum: float = 0.9
-    """DiLoCo's outer momentum; FedAdam's beta1."""
-    outer_nesterov: bool = True
-    outer_beta2: float = 0.99
-    """FedAdam: the server Adam's beta2 (Reddi et al. 2021: 0.99)."""
-    outer_eps: float = 1e-3
-    """FedAdam: the server Adam's epsilon (Reddi et al.'s tau, 1e-3: bounds the step where beta2's average is tiny)."""
-    shared_outer: str = "average"
-    """spes only: how the nodes' deltas of the shared parameters become the global's change: 'average' (the
-    paper: their mean) or 'nesterov' (DiLoCo's outer SGD step on their mean, with outer_lr, outer_momentum and
-    outer_nesterov; experts still come from their owners)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=0.002, warmup_steps=10))
-    merge: MergeConfig = field(default_factory=MergeConfig)
-
-    @property
-    def total_steps(self) -> int:
-        return self.rounds * self.sync_steps
 
     def validate(self) -> None:
-        """This section's own invariants; those that involve the model or the node's ranks are Params'."""
-        s = self
-        need(s.method in METHODS, f"spes.method must be one of {METHODS}, got {s.method!r}")
-        need(s.num_nodes >= 1, "spes.num_nodes must be >= 1")
-        need(s.method == "spes" or s.ownership is None,
-             f"spes.ownership is only used by spes.method=spes (got method {s.method!r})")
-        need(s.sync_steps >= 1, "spes.sync_steps must be >= 1")
-        need(s.rounds >= 1, f"spes.rounds must be >= 1, got {s.rounds}")
-        need(0 <= s.warmup_rounds <= s.rounds, f"spes.warmup_rounds ({s.warmup_rounds}) must be in [0, spes.rounds={s.rounds}]")
-        need(s.batch_size >= 1, f"spes.batch_size must be >= 1, got {s.batch_size}")
-        need(s.node_parallel in NODE_PARALLEL, f"spes.node_parallel must be one of {'|'.join(NODE_PARALLEL)}, "
-                                               f"got {s.node_parallel!r}")
-        need(s.activation_checkpointing in ACTIVATION_CHECKPOINTING,
-             f"spes.activation_checkpointing must be {'|'.join(ACTIVATION_CHECKPOINTING)}, got {s.activation_checkpointing!r}")
-        s.optim.validate("spes.optim")
-        need(s.frozen_dtype in FROZEN_DTYPES, f"spes.frozen_dtype must be {'|'.join(FROZEN_DTYPES)}, got {s.frozen_dtype!r}")
-        need(s.autocast in AUTOCAST_DTYPES, f"spes.autocast must be null|bfloat16|float16, got {s.autocast!r}")
-        need(s.outer_lr > 0, f"spes.outer_lr must be > 0, got {s.outer_lr}")
-        need(0.0 <= s.outer_momentum < 1.0, f"spes.outer_momentum must be in [0, 1), got {s.outer_momentum}")
-        need(0.0 <= s.outer_beta2 < 1.0, f"spes.outer_beta2 must be in [0, 1), got {s.outer_beta2}")
-        need(s.outer_eps > 0, f"spes.outer_eps must be > 0, got {s.outer_eps}")
-        need(s.shared_outer in SHARED_OUTER, f"spes.shared_outer must be {'|'.join(SHARED_OUTER)}, got {s.shared_outer!r}")
-        need(s.shared_outer == "average" or s.method == "spes",
-             f"spes.shared_outer: nesterov is for spes.method spes (diloco always takes its outer step; "
-             f"{s.method} averages), got method {s.method!r}")
-        s.merge.validate()
+        t = self
+        need(t.batch_size >= 1, f"train.batch_size must be >= 1, got {t.batch_size}")
+        need(t.node_parallel in NODE_PARALLEL, f"train.node_parallel must be one of {'|'.join(NODE_PARALLEL)}, "
+                                               f"got {t.node_parallel!r}")
+        need(t.activation_checkpointing in ACTIVATION_CHECKPOINTING,
+             f"train.activation_checkpointing must be {'|'.join(ACTIVATION_CHECKPOINTING)}, got {t.activation_checkpointing!r}")
+        t.optim.validate("train.optim")
+        need(t.frozen_dtype in FROZEN_DTYPES, f"train.frozen_dtype must be {'|'.join(FROZEN_DTYPES)}, got {t.frozen_dtype!r}")
+        need(t.autocast in AUTOCAST_DTYPES, f"train.autocast must be null|bfloat16|float16, got {t.autocast!r}")
 
 
 @dataclass
-class SyncConfig:
-    """What crosses the link at a sync (spes/sync/deltas.py, spes/sync/codecs.py)."""
+class OuterConfig:
+    """The outer (server) step: how the nodes' mean delta of an averaged tensor becomes the global's change
+    (spes/sync/outer.py, spes/sync/fedadam.py)."""
 
-    codec: str = "fp32"
-    """Encoding of the deltas nodes upload and download: 'fp32' (exact), 'bf16', 'int8' (blockwise absmax)."""
-    error_feedback: bool = True
-    """With a lossy codec, keep each encoding's error and add it to the next round's delta (nodes keep theirs
-    in their local state, the aggregator its own beside the global model)."""
-    int8_block: int = 256
-    """Values per int8 scale (one fp32 scale per block)."""
-    average_optimizer_state: bool = False
-    """At each sync, nodes also upload their Adam moments (exp_avg, exp_avg_sq, fp32) of the averaged
-    parameters (SPES: the shared ones; the baselines: all), the aggregator averages them with the deltas'
-    weights into the global bundle, and every node continues from that mean (its step counts its own).
-    Costs twice those parameters' fp32 bytes up and down per round."""
+    shared: str = "average"
+    """spes only: how the nodes' deltas of the shared parameters become the global's change: 'average' (the
+    paper: their mean) or 'nesterov' (DiLoCo's outer SGD step on their mean, with lr, momentum and nesterov
+    below; experts still come from their owners)."""
+    lr: float = 0.7
+    """The outer learning rate: DiLoCo's SGD (0.7), spes with shared nesterov, FedAdam's Adam (there about
+    1e-2..1e-1: Adam's steps are normalised, 0.7 is far too large)."""
+    momentum: float = 0.9
+    """DiLoCo's outer momentum; FedAdam's beta1."""
+    nesterov: bool = True
+    beta2: float = 0.99
+    """FedAdam: the server Adam's beta2 (Reddi et al. 2021: 0.99)."""
+    eps: float = 1e-3
+    """FedAdam: the server Adam's epsilon (Reddi et al.'s tau, 1e-3: bounds the step where beta2's average is tiny)."""
 
     def validate(self) -> None:
-        need(self.codec in CODECS, f"sync.codec must be one of {'|'.join(CODECS)}, got {self.codec!r}")
-        need(self.int8_block >= 1, f"sync.int8_block must be >= 1, got {self.int8_block}")
+        o = self
+        need(o.shared in SHARED_OUTER, f"outer.shared must be {'|'.join(SHARED_OUTER)}, got {o.shared!r}")
+        need(o.lr > 0, f"outer.lr must be > 0, got {o.lr}")
+        need(0.0 <= o.momentum < 1.0, f"outer.momentum must be in [0, 1), got {o.momentum}")
+        need(0.0 <= o.beta2 < 1.0, f"outer.beta2 must be in [0, 1), got {o.beta2}")
+        need(o.eps > 0, f"outer.eps must be > 0, got {o.eps}")

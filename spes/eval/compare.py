@@ -1,7 +1,7 @@
 """SPES against its baselines at equal tokens: the variant matrix and the report arithmetic (no I/O).
 
 A *variant* is a named list of `key=value` overrides of params.yaml (`compare.variants`); the matrix is
-variants x `compare.seeds` x `compare.lrs` x `compare.budgets` (multiples of spes.rounds). Every run starts
+variants x `compare.seeds` x `compare.lrs` x `compare.budgets` (multiples of sync.rounds). Every run starts
 from the same tokens and the same initial model (a variant with another expert count: the same init recipe
 on the same dense model), and every variant trains on the same number of tokens: overrides that would change
 the data, the init recipe or the token count are refused before anything trains.
@@ -31,9 +31,8 @@ model the init recipe makes anew from the same dense model: equal memory per nod
 
 
 def run_tokens(p: Params) -> int:
-    s = p.spes
-    m = sync_method(s)
-    return m.nodes * m.node_batch_size * s.seq_len * s.sync_steps * s.rounds
+    m = sync_method(p)
+    return m.nodes * m.node_batch_size * p.train.seq_len * p.sync.every_steps * p.sync.rounds
 
 
 @dataclass(frozen=True)
@@ -72,10 +71,10 @@ def variant_params(p: Params, variant: str, seed: Optional[int] = None, lr: Opti
         raise ConfigError(f"compare.variants.{variant}: {str(e).splitlines()[0]}") from None
     d: Any = OmegaConf.to_container(merged)
     if seed is not None:
-        d["spes"]["seed"] = seed
+        d["train"]["seed"] = seed
     if lr is not None:
-        d["spes"]["optim"]["lr"] = lr
-    d["spes"]["rounds"] *= budget
+        d["train"]["optim"]["lr"] = lr
+    d["sync"]["rounds"] *= budget
     try:
         return params_from_dict(d)  # unknown keys and bad values fail here, naming the key
     except ConfigError as e:
@@ -196,7 +195,7 @@ def slice_agreement(results: list[dict]) -> Optional[dict]:
 def has_frontier(resolved: dict[str, Params]) -> bool:
     """Whether the multi-node variants of a matrix (`check_matrix`'s) sync at more than one interval (the report
     then plots loss against traffic, frontier.svg)."""
-    intervals = {vp.spes.sync_steps for vp in resolved.values() if sync_method(vp.spes).nodes > 1}
+    intervals = {vp.sync.every_steps for vp in resolved.values() if sync_method(vp).nodes > 1}
     return len(intervals) > 1
 
 
@@ -209,22 +208,22 @@ def frontier(p: Params, rows: list[dict], runs: Optional[dict] = None) -> list[d
     out = []
     for r in rows:
         vp = variant_params(p, r["variant"], budget=r["budget"])
-        method = sync_method(vp.spes)
+        method = sync_method(vp)
         if method.nodes < 2:  # one node: nothing between nodes to trade against
             continue
-        label = (vp.spes.method + ("+nesterov" if vp.spes.shared_outer == "nesterov" else "")
+        label = (vp.sync.method + ("+nesterov" if vp.outer.shared == "nesterov" else "")
                  + ("+avgopt" if vp.sync.average_optimizer_state else ""))
         out.append({"variant": r["variant"], "budget": r["budget"], "lr": r["lr"], "method": label,
-                    "sync_steps": vp.spes.sync_steps, "heldout_loss_mean": r["heldout_loss_mean"],
+                    "sync_steps": vp.sync.every_steps, "heldout_loss_mean": r["heldout_loss_mean"],
                     "heldout_loss_std": r["heldout_loss_std"], "seeds": r["seeds"],
                     "diff_to_baseline": r["diff_to_baseline"], "diff_to_baseline_se": r["diff_to_baseline_se"],
-                    "bytes_per_node_per_token": r["bytes_per_node_per_round"] * vp.spes.rounds
+                    "bytes_per_node_per_token": r["bytes_per_node_per_round"] * vp.sync.rounds
                     / (r["tokens"] / method.nodes)})
     if len({x["sync_steps"] for x in out}) < 2:
         return []
     for x in out:  # against the same method at the base interval (paired by seed and window), each at its best lr
         same = [y for y in out if (y["method"], y["budget"], y["sync_steps"]) ==
-                (x["method"], x["budget"], p.spes.sync_steps)]
+                (x["method"], x["budget"], p.sync.every_steps)]
         x["diff_to_base_interval"], x["diff_to_base_interval_se"] = None, None
         if runs is not None and same:
             base = same[0]

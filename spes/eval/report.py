@@ -23,7 +23,7 @@ def report_markdown(p: Params, summary: dict) -> str:
     c = p.compare
     out = ["# SPES vs baselines at equal tokens\n",
            f"Seeds {list(c.seeds)}, learning rates {list(c.lrs)} (best of each variant shown), budgets "
-           f"{list(c.budgets)} x spes.rounds; held-out loss on the whole held-out split (mean +- std over seeds; "
+           f"{list(c.budgets)} x sync.rounds; held-out loss on the whole held-out split (mean +- std over seeds; "
            f"SE = standard error of one run's mean loss over its windows, clustered by document; the difference to "
            f"{c.baseline} is paired by seed and window; its SE is that of the seed-averaged per-window difference, "
            f"clustered by document); baseline: "
@@ -87,7 +87,7 @@ def _frontier_section(p: Params, summary: dict) -> list[str]:
             "Bytes each node moves (uploads and downloads) per training token it sees; fewer local steps per "
             "round buy a lower loss with more traffic.\n",
             f"| method | budget | sync_steps | seeds | held-out loss | minus {c.baseline} (paired SE) | "
-            f"minus the same method at sync_steps {p.spes.sync_steps} (paired SE) | bytes / node / token |",
+            f"minus the same method at sync_steps {p.sync.every_steps} (paired SE) | bytes / node / token |",
             "|---|---|---|---|---|---|---|---|"]
     for f in summary["frontier"]:
         out.append(f"| {f['method']} | {f['budget']}x | {f['sync_steps']} | {f['seeds']} | "

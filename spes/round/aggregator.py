@@ -42,7 +42,7 @@ class Aggregator:
 
     def __init__(self, p: Params, store: Store, run: str):
         self.p, self.store, self.run, self.layout = p, store, run, RunLayout(run)
-        self.method, self.codec = sync_method(p.spes), make_codec(p.sync.codec, p.sync.int8_block)
+        self.method, self.codec = sync_method(p), make_codec(p.sync.codec, p.sync.int8_block)
         self._held: Optional[tuple[tuple[int, str], dict]] = None  # ((round, sha256), tensors)
 
     def hold(self, r: int) -> None:
@@ -122,13 +122,13 @@ class Aggregator:
         delta.commit(DeltaMeta(round=r, base_round=r - 1, base_sha256=base_sha, global_sha256=new_sha,
                                codec=p.sync.codec, expert_files=expert_files, merged=attempt.merging).to_json())
         meta = GlobalMeta(
-            round=r, step=r * p.spes.sync_steps, method=method.name, model_config=prev_meta.model_config,
+            round=r, step=r * p.sync.every_steps, method=method.name, model_config=prev_meta.model_config,
             contributors=sorted(uploads), missing=[i for i in members if i not in uploads],
             rejected=rejected, merge_alpha=attempt.alpha, merged=attempt.merging,
             node_loss={i: metas[i].loss_mean for i in uploads}, node_states=states,
             codec=p.sync.codec, seconds_aggregate=time.perf_counter() - t0,
             index=next_index(prev_meta.index or Run(store, self.run).index(r - 1), r, states),
-            run_id=prev_meta.run_id, fingerprint=prev_meta.fingerprint, total_steps=p.spes.total_steps,
+            run_id=prev_meta.run_id, fingerprint=prev_meta.fingerprint, total_steps=p.sync.total_steps,
             membership=change.membership, membership_changes=change.changes)
         stamp(store, layout, change.stamped)  # before the commit: a retry or a recomputed round applies them at r
         glob.commit(meta.to_json())

@@ -56,9 +56,9 @@ class RoundAttempt:
         self.p, self.method, self.codec, self.store, self.layout, self.r = p, method, codec, store, layout, r
         self.prev, self.uploads, self.held = prev, uploads, held
         self.nodes = sorted(uploads)
-        self.weights = node_weights([metas[i].tokens for i in self.nodes], p.spes.token_weighted)
+        self.weights = node_weights([metas[i].tokens for i in self.nodes], p.sync.token_weighted)
         self.owners = membership.owners
-        self.alpha = method.merge_alpha(r * p.spes.sync_steps, prev_meta.model_config["num_experts"])
+        self.alpha = method.merge_alpha(r * p.sync.every_steps, prev_meta.model_config["num_experts"])
         self.merging = self.alpha > 0
         self.shapes = _shapes(prev["files"][MODEL_FILE])
         self.feedback = p.sync.error_feedback and not codec.exact

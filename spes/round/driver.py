@@ -35,7 +35,7 @@ Aggregate = Callable[[bool], GlobalMeta]
 def checkpoint_due(p: Params, r: int, stage_last: int) -> bool:
     """Nodes also write their state to shared storage at this round: every checkpoint.every_rounds, and at
     the last round of a stage and of the run (a resume from any machine can start there)."""
-    return r % p.checkpoint.every_rounds == 0 or r == stage_last or r == p.spes.rounds
+    return r % p.checkpoint.every_rounds == 0 or r == stage_last or r == p.sync.rounds
 
 
 def heldout_due(p: Params, r: int) -> bool:
@@ -73,14 +73,14 @@ def resume_point(p: Params, run: Run, resume_round, has_local_state=None) -> int
 def _align_schedule(p: Params, run: Run) -> None:
     """wsd: rounds whose steps all ran at the stable rate under both the run's old and new total are the same
     in both; later ones are recomputed."""
-    o, s = p.spes.optim, p.spes
+    o, s = p.train.optim, p.sync
     latest = run.latest_round()
     if o.schedule != "wsd" or not latest:
         return
     old_total, new_total = run.global_meta(latest).total_steps, s.total_steps
     if not old_total or old_total == new_total:
         return
-    keep = min(stable_end(o, old_total), stable_end(o, new_total)) // s.sync_steps
+    keep = min(stable_end(o, old_total), stable_end(o, new_total)) // s.every_steps
     if latest > keep:
         moved = run.supersede_after(keep)
         log.warning("run %s: the schedule now runs %d steps, not %d (wsd): rounds %s decayed under the old total and "
@@ -90,7 +90,7 @@ def _align_schedule(p: Params, run: Run) -> None:
 
 def round_members(p: Params, run: Run, r: int) -> list[int]:
     """The nodes that train round r: its membership, recorded in global r-1 (spes/run/membership.py)."""
-    return membership_of(run.global_meta(r - 1), sync_method(p.spes)).members
+    return membership_of(run.global_meta(r - 1), sync_method(p)).members
 
 
 def run_round(p: Params, run: Run, r: int, run_nodes: NodeRunner, aggregate: Aggregate, checkpoint: bool,
@@ -99,8 +99,8 @@ def run_round(p: Params, run: Run, r: int, run_nodes: NodeRunner, aggregate: Agg
     t0 = time.time()
     o = p.orchestration
     if o.membership_plan:
-        request_planned(run.store, run.name, sync_method(p.spes),
-                        planned_changes(o.membership_plan, p.spes.rounds, p.spes.num_nodes), r)
+        request_planned(run.store, run.name, sync_method(p),
+                        planned_changes(o.membership_plan, p.sync.rounds, p.sync.num_nodes), r)
     rows = run_nodes(round_members(p, run, r), checkpoint)
     try:
         try:

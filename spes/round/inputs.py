@@ -42,7 +42,7 @@ class NodeContext:
 
     @classmethod
     def build(cls, p: Params, store: Store, run: str) -> "NodeContext":
-        return cls(p, store, run, RunLayout(run), sync_method(p.spes), make_codec(p.sync.codec, p.sync.int8_block))
+        return cls(p, store, run, RunLayout(run), sync_method(p), make_codec(p.sync.codec, p.sync.int8_block))
 
 
 
@@ -107,6 +107,6 @@ def read_inputs(ctx: NodeContext, r: int, node: int, from_checkpoint: bool = Fal
         log.warning("node %d round %d: trains experts %s%s%s", node, r, list(owned),
                     f"; gave away {gave}" if gave else "",
                     f"; took over {took}, which start with a fresh optimizer state" if took else "")
-    position = state.data_position if state is not None else (r - 1) * p.spes.sync_steps
+    position = state.data_position if state is not None else (r - 1) * p.sync.every_steps
     return RoundInputs(prev, prev_sha, prev_meta.model_config, state, ref, local, owned, membership.slots[node],
                        position)

@@ -1,7 +1,7 @@
 """One node's part of a sync round, as a library call (no orchestration), in three steps:
 
   read_inputs  global r-1 (rebuilt from deltas, or downloaded) + the node's state the global was built with
-  train        sync_steps local steps (every rank of the node)
+  train        sync.every_steps local steps (every rank of the node)
   commit       encoded delta upload (committed) + the node's state after round r
 
 Each step takes the round's `NodeContext` (the settings, storage, the run's layout, and the sync method and
@@ -36,7 +36,7 @@ from spes.sync.deltas import EXPERTS_FILE, MOMENTS_FILE, averaged_moments, encod
 from spes.train.devices import resolve_device
 from spes.train.distributed import broadcast_object, broadcast_tensors, rank_and_size, shards_node
 from spes.train.expert_state import expert_steps, remap_rows
-from spes.train.trainer import NodeTrainer, build_node_trainer
+from spes.train.trainer import Trainer, build_node_trainer
 
 log = logging.getLogger("spes.round.node")
 
@@ -70,7 +70,7 @@ def _check_finite(losses: list[float], first_step: int, node: int, r: int, train
     for i, v in enumerate(losses):
         if not torch.isfinite(torch.tensor(v)):
             raise NonFiniteLoss(f"node {node} round {r}: loss is {v} at step {first_step + i}; nothing committed "
-                                "(lower spes.optim.lr or check the data)")
+                                "(lower train.optim.lr or check the data)")
     for name, t in trained.items():
         if not torch.isfinite(t).all():
             raise NonFiniteLoss(f"node {node} round {r}: {name} is not finite after step {first_step + len(losses) - 1}; "
@@ -106,7 +106,7 @@ def _share(inputs: Optional[RoundInputs], sharded: bool) -> tuple[Optional[dict]
 class Trained:
     """What `train` hands to `commit`: the trained tensors and what the steps measured."""
 
-    trainer: NodeTrainer
+    trainer: Trainer
     position: int
     losses: list[float]
     tokens: int
@@ -123,36 +123,36 @@ class Trained:
 
 
 def _data_stream(p: Params, nodes: int, data: TokenData, job: Assignment, batch: int) -> BatchStream:
-    """The node's batches: slot k < spes.num_nodes reads share k of each epoch; a slot beyond them (a node
+    """The node's batches: slot k < sync.num_nodes reads share k of each epoch; a slot beyond them (a node
     that joined while every share was taken) samples windows at random, seeded by its slot, since the epoch
-    split is fixed at spes.num_nodes shares for the whole run."""
-    s = p.spes
+    split is fixed at sync.num_nodes shares for the whole run."""
+    t = p.train
     order = p.data.order if job.slot < nodes else "random_windows"
-    return BatchStream(data.train, batch, s.seq_len, s.seed, job.slot, job.position, order=order, num_nodes=nodes)
+    return BatchStream(data.train, batch, t.seq_len, t.seed, job.slot, job.position, order=order, num_nodes=nodes)
 
 
 def train(ctx: NodeContext, r: int, node: int, data: TokenData, prev: Optional[dict], optim: Optional[dict],
           job: Assignment, on_step: Optional[Callable[[int], None]] = None) -> Trained:
-    """Every rank: the node's `sync_steps` local steps from global r-1 (this rank's share of each batch)."""
+    """Every rank: the node's `sync.every_steps` local steps from global r-1 (this rank's share of each batch)."""
     t0 = time.perf_counter()
     p, method = ctx.p, ctx.method
-    s = p.spes
+    steps = p.sync.every_steps
     rank, ranks = rank_and_size()
     device = resolve_device(p.orchestration.device, node * ranks + rank)
     cfg = model_for_training(job.model_config, p.model)
-    if shards_node(p.spes.node_parallel):  # built without storage; each rank's shards come from rank 0's tensors
+    if shards_node(p.train.node_parallel):  # built without storage; each rank's shards come from rank 0's tensors
         with torch.device("meta"):
             model = CausalLM(cfg)
-        trainer = build_node_trainer(s, model, node, device, job.owned, job.expert_steps)
+        trainer = build_node_trainer(p, model, node, device, job.owned, job.expert_steps)
         trainer.load_global(prev)
     else:
         model = CausalLM(cfg)
         assert prev is not None  # unsharded: every rank holds the broadcast global
         model.load_canonical_state_dict(prev)
-        trainer = build_node_trainer(s, model.to(device), node, None, job.owned, job.expert_steps)
+        trainer = build_node_trainer(p, model.to(device), node, None, job.owned, job.expert_steps)
     if optim is None or optim:  # None: a sharded node's rank other than 0, whose shards come from rank 0
         trainer.load_optimizer_tensors(optim)
-    torch.manual_seed(node_seed(s.seed, node, r))
+    torch.manual_seed(node_seed(p.train.seed, node, r))
     batch = method.node_batch_size
     stream = _data_stream(p, method.nodes, data, job, batch)
     share = slice(rank * batch // ranks, (rank + 1) * batch // ranks)
@@ -160,9 +160,9 @@ def train(ctx: NodeContext, r: int, node: int, data: TokenData, prev: Optional[d
 
     losses, norms, aux, timeline, tokens, counts = [], [], [], [], 0, None
     t1 = time.perf_counter()
-    first_step = (r - 1) * s.sync_steps
+    first_step = (r - 1) * steps
     every = p.orchestration.log_every_steps
-    for i in range(s.sync_steps):
+    for i in range(steps):
         x, y = stream.next()  # the node's batch; this rank's rows of it
         m = trainer.train_step(x[share], y[share], first_step + i)
         losses.append(m.ce)
@@ -173,9 +173,9 @@ def train(ctx: NodeContext, r: int, node: int, data: TokenData, prev: Optional[d
         tokens += m.tokens
         if m.expert_counts_LE is not None:
             counts = m.expert_counts_LE if counts is None else counts + m.expert_counts_LE
-        if every and rank == 0 and ((i + 1) % every == 0 or i + 1 == s.sync_steps):
+        if every and rank == 0 and ((i + 1) % every == 0 or i + 1 == steps):
             elapsed = time.perf_counter() - t1
-            _log_progress(node, r, i + 1, s.sync_steps, float(m.ce), tokens, elapsed)  # a host sync
+            _log_progress(node, r, i + 1, steps, float(m.ce), tokens, elapsed)  # a host sync
             timeline.append([i + 1, elapsed])
         if on_step is not None:
             on_step(i)
@@ -193,8 +193,7 @@ def commit(ctx: NodeContext, r: int, node: int, inputs: RoundInputs, t: Trained,
     optimizer tensors) and checkpoint it, commit the upload. `seconds_read`: what reading the inputs took."""
     t2 = time.perf_counter()
     p, store, layout, codec = ctx.p, ctx.store, ctx.layout, ctx.codec
-    s = p.spes
-    first_step = (r - 1) * s.sync_steps
+    first_step = (r - 1) * p.sync.every_steps
     _check_finite(t.losses, first_step, node, r, trained)
     state, local = inputs.state, inputs.local
     residual = state.residual if state is not None else None
@@ -213,7 +212,7 @@ def commit(ctx: NodeContext, r: int, node: int, inputs: RoundInputs, t: Trained,
     meta = UploadMeta(
         round=r, node=node, experts=list(t.trainer.owned), tokens=t.tokens, base_round=r - 1,
         base_sha256=inputs.prev_sha, codec=codec.name, state=StateRef(r, saved["digest"], checkpoint),
-        step_end=r * s.sync_steps, loss_first=t.losses[0], loss_last=t.losses[-1],
+        step_end=r * p.sync.every_steps, loss_first=t.losses[0], loss_last=t.losses[-1],
         loss_mean=sum(t.losses) / len(t.losses), losses=t.losses,
         expert_load=t.counts.cpu().tolist() if t.counts is not None else [], ranks=rank_and_size()[1],
         bytes_down=store.bytes_read - bytes_read0, seconds_load=t.seconds_load, seconds_compute=t.seconds_compute,
@@ -240,11 +239,11 @@ def _log_progress(node: int, r: int, done: int, steps: int, loss: float, tokens:
 def node_round(p: Params, store: Store, run: str, r: int, node: int, data: TokenData,
                on_step: Optional[Callable[[int], None]] = None, checkpoint: bool = False,
                from_checkpoint: bool = False) -> Optional[NodeReport]:
-    """Node `node`'s part of round r: read its inputs, train `sync_steps` local steps, commit its upload;
+    """Node `node`'s part of round r: read its inputs, train `sync.every_steps` local steps, commit its upload;
     returns its report.
 
     On a node of several ranks (torch.distributed initialized) every rank calls this: each trains on its
-    share of every batch (data parallel, the model replicated or sharded: spes.node_parallel), rank 0
+    share of every batch (data parallel, the model replicated or sharded: train.node_parallel), rank 0
     alone reads and writes storage and returns the report (the others return None)."""
     lead = rank_and_size()[0] == 0
     done = committed_report(store, run, r, node) if lead else None
@@ -255,7 +254,7 @@ def node_round(p: Params, store: Store, run: str, r: int, node: int, data: Token
     t_read = time.perf_counter()
     inputs = read_inputs(ctx, r, node, from_checkpoint) if lead else None
     t_read = time.perf_counter() - t_read
-    prev, optim, job = _share(inputs, shards_node(p.spes.node_parallel))
+    prev, optim, job = _share(inputs, shards_node(p.train.node_parallel))
     t = train(ctx, r, node, data, prev, optim, job, on_step)
     trained, optim = t.trainer.upload(), t.trainer.optimizer_tensors()  # every rank: gathers under fsdp
     if inputs is None:  # not rank 0

@@ -52,14 +52,14 @@ class RunBoard:
         self.writer = SummaryWriter(folder, purge_step=tokens_before + 1 if tokens_before else None)
 
     def add(self, rec: RoundRecord) -> None:
-        w, s = self.writer, self.p.spes
+        w, s = self.writer, self.p.sync
         ok = [n for n in rec.nodes if n.ok and n.upload is not None]
         steps = max((len(n.upload.losses) for n in ok if n.upload), default=0)
         per_step = rec.tokens / steps if steps else 0.0  # all nodes' tokens of one local step
-        first = (rec.round - 1) * s.sync_steps
+        first = (rec.round - 1) * s.every_steps
         for i in range(steps):
             x = round(self.tokens + per_step * (i + 1))
-            w.add_scalar("train/lr", lr_at(first + i, s.optim, s.total_steps), x)
+            w.add_scalar("train/lr", lr_at(first + i, self.p.train.optim, s.total_steps), x)
             for n in ok:
                 assert n.upload is not None
                 if i < len(n.upload.losses):

@@ -1,8 +1,11 @@
 """A run's identity: the fingerprint of the settings that define its maths, and its initial model.
 
-The fingerprint hashes the fully resolved sections model, init, spes, sync, tokenize, data and dense, every
-key, defaults included: changing a default in the schema changes the fingerprint of every run that relied on
-it, so no run resumes across a change of its maths. Two lists keep it honest over releases:
+The fingerprint hashes the fully resolved sections model, init, sync, train, outer, merge, tokenize, data and
+dense, every key, defaults included: changing a default in the schema changes the fingerprint of every run
+that relied on it, so no run resumes across a change of its maths. It hashes each key under the name it had
+when fingerprints began (spes/config/renamed.py: `train.optim.lr` is hashed as `spes.optim.lr`), so the split of
+the former `spes` section changed no fingerprint: runs made before it resume bitwise. The lists below name
+keys as they are now. Two of them keep the fingerprint honest over releases:
 
 - NOT_IN_FINGERPRINT: implementation choices that leave the maths alone (like the device and storage);
 - ADDED_LATER: keys added after runs existed, with the value that reproduces the old behaviour; a key at
@@ -25,23 +28,26 @@ import torch
 from safetensors.torch import load_file
 
 from spes.config.loader import flatten, to_dict
+from spes.config.renamed import SPLIT_SECTIONS, former_name
 from spes.config.schema import ModelConfig, Params
 from spes.errors import IntegrityError, ProtocolError
 from spes.model.names import canonical_shapes
 from spes.storage.tensorio import tensors_sha256
 
 FINGERPRINT_VERSION = 2
-FINGERPRINT_SECTIONS = ("model", "init", "spes", "sync", "tokenize", "data", "dense")
-NOT_IN_FINGERPRINT = {"model.experts_impl", "model.loss_impl", "model.loss_chunk_tokens", "spes.node_parallel"}
+FINGERPRINT_SECTIONS = ("model", "init", *SPLIT_SECTIONS, "tokenize", "data", "dense")
+FORMER_SECTIONS = ("model", "init", "spes", "sync", "tokenize", "data", "dense")
+"""The same settings as sections were named before the split (legacy_fingerprint hashes them so)."""
+NOT_IN_FINGERPRINT = {"model.experts_impl", "model.loss_impl", "model.loss_chunk_tokens", "train.node_parallel"}
 """Implementation choices that leave the maths alone."""
-ADDED_LATER: dict[str, Any] = {"spes.optim.schedule": "cosine", "spes.optim.decay_fraction": 0.2,
+ADDED_LATER: dict[str, Any] = {"train.optim.schedule": "cosine", "train.optim.decay_fraction": 0.2,
                                "dense.optim.schedule": "cosine", "dense.optim.decay_fraction": 0.2,
-                               "spes.shared_outer": "average", "sync.average_optimizer_state": False,
-                               "spes.outer_beta2": 0.99, "spes.outer_eps": 1e-3}
+                               "outer.shared": "average", "sync.average_optimizer_state": False,
+                               "outer.beta2": 0.99, "outer.eps": 1e-3}
 """Keys added after fingerprint version 2, each with its neutral value (the behaviour before it existed)."""
-LEGACY_DEFAULTS = {"model.norm_topk_prob": False, "model.qk_norm": "full", "spes.merge.interval": 40,
-                   "spes.sync_steps": 20, "spes.warmup_rounds": 5, "spes.rounds": 12, "spes.optim.lr": 3e-3,
-                   "spes.optim.warmup_steps": 20}
+LEGACY_DEFAULTS = {"model.norm_topk_prob": False, "model.qk_norm": "full", "merge.interval": 40,
+                   "sync.every_steps": 20, "sync.warmup_rounds": 5, "sync.rounds": 12, "train.optim.lr": 3e-3,
+                   "train.optim.warmup_steps": 20}
 """Schema defaults (in the fingerprinted sections) before they were made equal to params.yaml's values."""
 
 
@@ -49,15 +55,21 @@ def _hash(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _sections(settings: dict) -> dict[str, Any]:
+    """The fingerprinted sections of `settings` (as `to_dict` gives them), flattened, without NOT_IN_FINGERPRINT."""
+    flat = flatten({s: settings.get(s, {}) for s in FINGERPRINT_SECTIONS})
+    return {k: v for k, v in flat.items() if k not in NOT_IN_FINGERPRINT}
+
+
 def fingerprinted(settings: dict) -> dict[str, Any]:
-    """The flattened settings the fingerprint hashes. With the wsd schedule (and no decayed load-balance
-    factor, whose ramp is a share of the total) spes.rounds only moves the decay: an extended run is the same
-    run, whose rounds past the shorter stable phase are recomputed (spes/round/driver.py: resume_point)."""
-    flat = {k: v for k, v in flatten({s: settings.get(s, {}) for s in FINGERPRINT_SECTIONS}).items()
-            if k not in NOT_IN_FINGERPRINT and not (k in ADDED_LATER and v == ADDED_LATER[k])}
-    if flat.get("spes.optim.schedule") == "wsd" and not flat.get("spes.decayed_lb"):
-        flat.pop("spes.rounds", None)
-    return flat
+    """The flattened settings the fingerprint hashes, under their former names. With the wsd schedule (and no
+    decayed load-balance factor, whose ramp is a share of the total) sync.rounds only moves the decay: an
+    extended run is the same run, whose rounds past the shorter stable phase are recomputed
+    (spes/round/driver.py: resume_point)."""
+    flat = {k: v for k, v in _sections(settings).items() if not (k in ADDED_LATER and v == ADDED_LATER[k])}
+    if flat.get("train.optim.schedule") == "wsd" and not flat.get("train.decayed_lb"):
+        flat.pop("sync.rounds", None)
+    return {former_name(k): v for k, v in flat.items()}
 
 
 def fingerprint_of(settings: dict) -> str:
@@ -78,18 +90,21 @@ def _non_default(d: Any, default: Any) -> Any:
 
 def legacy_fingerprint(p: Params) -> str:
     """The fingerprint a run made before fingerprint versions recorded for these settings."""
-    defaults = to_dict(Params())
-    for key, value in LEGACY_DEFAULTS.items():
-        *parents, leaf = key.split(".")
-        node = defaults
+    defaults = _former_nested({**_sections(to_dict(Params())), **LEGACY_DEFAULTS})
+    settings = _former_nested(_sections(to_dict(p)))
+    return _hash({k: _non_default(settings.get(k, {}), defaults[k]) for k in FORMER_SECTIONS})
+
+
+def _former_nested(flat: dict[str, Any]) -> dict[str, Any]:
+    """Flat settings under their current names -> nested sections under their former names."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        *parents, leaf = former_name(key).split(".")
+        node = out
         for k in parents:
-            node = node[k]
+            node = node.setdefault(k, {})
         node[leaf] = value
-    settings, keep = to_dict(p), {}
-    for k in FINGERPRINT_SECTIONS:
-        section = {n: v for n, v in settings.get(k, {}).items() if f"{k}.{n}" not in NOT_IN_FINGERPRINT}
-        keep[k] = _non_default(section, defaults[k])
-    return _hash(keep)
+    return out
 
 
 @dataclass

@@ -56,7 +56,7 @@ def request_file(layout: RunLayout, kind: str, node: int) -> str:
 
 
 def initial_membership(method: SyncMethod, num_experts: int) -> Membership:
-    """Round 1's: nodes 0..N-1 with the params' plan (spes.ownership, or contiguous blocks), node i reading
+    """Round 1's: nodes 0..N-1 with the params' plan (sync.ownership, or contiguous blocks), node i reading
     data slot i."""
     owners = method.initial_owners(num_experts)
     return Membership({n: list(e) for n, e in owners.items()}, {n: n for n in owners}, {})

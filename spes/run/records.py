@@ -267,11 +267,11 @@ class GlobalMeta(Record):
     run_id: str = ""
     """The run's identity, carried in every global so a lost info bundle can be rebuilt (with `fingerprint`)."""
     total_steps: int = 0
-    """The learning-rate schedule's horizon (spes.rounds x sync_steps) this global was trained with; 0 = unknown."""
+    """The learning-rate schedule's horizon (sync.rounds x sync.every_steps) this global was trained with; 0 = unknown."""
     fingerprint: str = ""
     membership: Optional[Membership] = None
     """Who trains what in round `round`+1 (None: globals written before membership was round state, and
-    round 0: the initial plan of the params, spes.num_nodes / spes.ownership)."""
+    round 0: the initial plan of the params, sync.num_nodes / sync.ownership)."""
     membership_changes: list[str] = field(default_factory=list)
     """What changed at this global (a node left, was evicted or joined; which experts moved), for people."""
     version: int = RECORD_VERSION

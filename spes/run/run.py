@@ -13,6 +13,7 @@ import time
 import uuid
 from typing import Callable, Optional, Union
 
+from spes.config.renamed import new_name
 from spes.errors import IntegrityError, NotCommitted, ProtocolError, RecordError, RunMismatch
 from spes.run.identity import FINGERPRINT_VERSION, InitModel
 from spes.run.layout import MODEL_FILE
@@ -88,10 +89,11 @@ class Run(RunRounds):
             if not same and on_mismatch != "restart":
                 what = "settings" if not same_settings else "initial model"
                 old = info.get("settings") or {}
-                diff = [f"{k}: {old.get(k)!r} -> {(settings or {}).get(k)!r}" for k in sorted(set(old) | set(settings or {}))
+                diff = [f"{new_name(k) or k}: {old.get(k)!r} -> {(settings or {}).get(k)!r}"  # stored under former names
+                        for k in sorted(set(old) | set(settings or {}))
                         if old.get(k) != (settings or {}).get(k)] if old and settings else []
-                hint = ("; the cosine schedule depends on spes.rounds: with spes.optim.schedule=wsd a run can be "
-                        "extended" if any(d.startswith("spes.rounds:") for d in diff) else "")
+                hint = ("; the cosine schedule depends on sync.rounds: with train.optim.schedule=wsd a run can be "
+                        "extended" if any(d.startswith("sync.rounds:") for d in diff) else "")
                 raise RunMismatch(f"run {self.name!r} on {self.store.url} was made with another {what} "
                                   + (f"({', '.join(diff[:5])}{', ...' if len(diff) > 5 else ''})" if diff else
                                      f"(fingerprint {info['fingerprint']}, now {fingerprint})")

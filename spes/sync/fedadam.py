@@ -5,9 +5,9 @@ moments (and its step count) per tensor across rounds.
 The step is torch.optim.Adam's own (not a copy of its arithmetic): for each tensor the server runs Adam on
 a zero tensor whose gradient is g, with the moments kept since the last round, and takes the result as the
 global's change, so the committed global is prev + change like every other method's (and a lossy codec's
-rounding of the change is the same rule). Hyper-parameters: spes.outer_lr (the server rate; Reddi et al.
-tune it around 1e-2..1e-1 — DiLoCo's 0.7 is an SGD rate, far too large here), spes.outer_momentum as beta1,
-spes.outer_beta2, spes.outer_eps (Reddi et al.'s tau, 1e-3: it bounds the step where v is tiny). Adam's
+rounding of the change is the same rule). Hyper-parameters: outer.lr (the server rate; Reddi et al.
+tune it around 1e-2..1e-1 — DiLoCo's 0.7 is an SGD rate, far too large here), outer.momentum as beta1,
+outer.beta2, outer.eps (Reddi et al.'s tau, 1e-3: it bounds the step where v is tiny). Adam's
 bias correction is kept (torch's), so the first rounds are not damped by the zero-initialised moments.
 """
 from __future__ import annotations
@@ -44,5 +44,5 @@ class FedAdam(FullModelMethod):
     name = "fedadam"
 
     def outer_optimizer(self) -> OuterOptimizer:
-        s = self.s
-        return OuterAdam(s.outer_lr, s.outer_momentum, s.outer_beta2, s.outer_eps)
+        o = self.outer_settings
+        return OuterAdam(o.lr, o.momentum, o.beta2, o.eps)

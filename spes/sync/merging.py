@@ -30,7 +30,7 @@ def donors_by_gate_similarity(gate_up_EID: torch.Tensor, top_k: int) -> torch.Te
     """(E, top_k) donor ids: the most cosine-similar other experts by gate weights (first half of gate_up)."""
     E, twoI, _ = gate_up_EID.shape
     if not 1 <= top_k < E:
-        raise ConfigError(f"spes.merge.top_k ({top_k}) must be in [1, num_experts-1={E - 1}]")
+        raise ConfigError(f"merge.top_k ({top_k}) must be in [1, num_experts-1={E - 1}]")
     gate_EX = gate_up_EID[:, : twoI // 2, :].reshape(E, -1).double()
     unit = gate_EX / gate_EX.norm(dim=1, keepdim=True).clamp_min(1e-12)
     sim_EE = unit @ unit.t()
@@ -60,7 +60,7 @@ def merge_experts(state: dict[str, torch.Tensor], alpha: float, top_k: int) -> d
 
 
 class ExpertMerging:
-    """The merging warm-up of spes.merge: alpha_start decaying linearly to 0 at decay_steps, applied at sync
+    """The merging warm-up of merge: alpha_start decaying linearly to 0 at decay_steps, applied at sync
     steps that are multiples of interval, each expert pulled toward its top_k most similar peers."""
 
     def __init__(self, m: MergeConfig):

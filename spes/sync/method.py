@@ -4,7 +4,7 @@ merges experts (a hook the aggregator calls on one layer's expert tensors at a t
 
 The aggregator and the nodes ask the method; none of them compares a method's name or knows the layout of
 its state. The methods themselves are in spes/sync/methods.py (and one module each for those that bring
-their own outer optimizer, e.g. spes/sync/fedadam.py); the registry that `spes.method` selects from is
+their own outer optimizer, e.g. spes/sync/fedadam.py); the registry that `sync.method` selects from is
 spes/sync/methods.py's METHODS.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import ClassVar, Optional
 import torch
 
 from spes.config.ownership import Owners, Ownership, owners_of, with_node, without_node
-from spes.config.schema import SpesConfig
+from spes.config.schema import Params
 from spes.errors import AggregationError
 from spes.sync.outer import OuterOptimizer, Spec
 
@@ -40,27 +40,29 @@ def weighted_sum(tensors: list[torch.Tensor], weights: list[float]) -> torch.Ten
 
 
 class SyncMethod(ABC):
-    """A way of combining node rounds into the global model, bound to the run's `spes` settings."""
+    """A way of combining node rounds into the global model, bound to the run's settings: `sync` (the nodes
+    and who owns what), `outer` (its outer step), `merge` and the nodes' batch size."""
 
     name: ClassVar[str]
-    """Its `spes.method` value (the registry's key)."""
+    """Its `sync.method` value (the registry's key)."""
     sparse_experts: ClassVar[bool] = False
     """Each node trains only its own experts (and uploads only their rows)."""
 
-    def __init__(self, s: SpesConfig):
-        self.s = s
+    def __init__(self, p: Params):
+        self.sync, self.outer_settings, self.merge_settings = p.sync, p.outer, p.merge
+        self.batch_size = p.train.batch_size
         self.outer = self.outer_optimizer()
 
     # -- who trains what ---------------------------------------------------------------------------------
     @property
     def nodes(self) -> int:
         """Nodes that train."""
-        return self.s.num_nodes
+        return self.sync.num_nodes
 
     @property
     def node_batch_size(self) -> int:
         """Sequences per optimizer step on each training node."""
-        return self.s.batch_size
+        return self.batch_size
 
     @abstractmethod
     def ownership(self, num_experts: int) -> Ownership:

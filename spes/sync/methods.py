@@ -1,10 +1,10 @@
-"""The sync methods, and the registry `spes.method` selects from. Everything that differs between SPES and
+"""The sync methods, and the registry `sync.method` selects from. Everything that differs between SPES and
 its baselines is here (or in a module of its own, for a method with its own outer optimizer), behind the
 interface of spes/sync/method.py; the rest of the code asks the method instead of comparing its name.
 
-- spes: each node trains the shared parameters and its own experts (contiguous blocks, or spes.ownership);
+- spes: each node trains the shared parameters and its own experts (contiguous blocks, or sync.ownership);
   shared tensors = prev + mean over the nodes present of their deltas (optionally token-weighted; with
-  spes.shared_outer nesterov, DiLoCo's outer step on that mean); each expert = prev + its owner's delta
+  outer.shared nesterov, DiLoCo's outer step on that mean); each expert = prev + its owner's delta
   (absent owners: unchanged); the expert-merging warm-up while alpha > 0.
 - fedavg: every node trains everything; prev + mean(delta_i).
 - centralized: fedavg on one node with num_nodes x batch_size sequences per step (the same tokens per step).
@@ -19,6 +19,7 @@ entry in METHODS, and its name in spes/config/schema.py's METHODS (a test keeps 
 from __future__ import annotations
 
 from spes.config.ownership import Ownership, with_node, without_node
+from spes.config.schema import OuterConfig, Params
 from spes.errors import ConfigError
 from spes.model.names import is_expert_param
 from spes.sync.fedadam import FedAdam
@@ -45,30 +46,30 @@ class Centralized(FedAvg):
 
     @property
     def node_batch_size(self) -> int:
-        return self.s.batch_size * self.s.num_nodes
+        return self.batch_size * self.sync.num_nodes
 
 
-def _outer_sgd(s) -> OuterSGD:
-    return OuterSGD(s.outer_lr, s.outer_momentum, s.outer_nesterov)
+def _outer_sgd(o: OuterConfig) -> OuterSGD:
+    return OuterSGD(o.lr, o.momentum, o.nesterov)
 
 
 class DiLoCo(FullModelMethod):
     name = "diloco"
 
     def outer_optimizer(self) -> OuterOptimizer:
-        return _outer_sgd(self.s)
+        return _outer_sgd(self.outer_settings)
 
 
 class Spes(SyncMethod):
     name = "spes"
     sparse_experts = True
 
-    def __init__(self, s):
-        super().__init__(s)
-        self.merging = ExpertMerging(s.merge)
+    def __init__(self, p: Params):
+        super().__init__(p)
+        self.merging = ExpertMerging(p.merge)
 
     def ownership(self, num_experts: int) -> Ownership:
-        return Ownership.plan(num_experts, self.nodes, self.s.ownership)
+        return Ownership.plan(num_experts, self.nodes, self.sync.ownership)
 
     def without_node(self, owners, leaver, num_experts, caps=None):
         return without_node(owners, leaver, caps)
@@ -80,7 +81,7 @@ class Spes(SyncMethod):
         return not is_expert_param(name)
 
     def outer_optimizer(self) -> OuterOptimizer:
-        return Average() if self.s.shared_outer == "average" else _outer_sgd(self.s)
+        return Average() if self.outer_settings.shared == "average" else _outer_sgd(self.outer_settings)
 
     def merge_alpha(self, step: int, num_experts: int) -> float:
         return self.merging.alpha(step, num_experts)
@@ -92,9 +93,9 @@ class Spes(SyncMethod):
 METHODS: dict[str, type[SyncMethod]] = {cls.name: cls for cls in (Spes, FedAvg, Centralized, DiLoCo, FedAdam)}
 
 
-def sync_method(s) -> SyncMethod:
-    """The method `spes.method` names, bound to the run's SPES settings."""
+def sync_method(p: Params) -> SyncMethod:
+    """The method `sync.method` names, bound to the run's settings."""
     try:
-        return METHODS[s.method](s)
+        return METHODS[p.sync.method](p)
     except KeyError:
-        raise ConfigError(f"spes.method must be one of {sorted(METHODS)}, got {s.method!r}") from None
+        raise ConfigError(f"sync.method must be one of {sorted(METHODS)}, got {p.sync.method!r}") from None

@@ -19,7 +19,7 @@ import json
 
 import torch
 
-from spes.config.schema import ModelConfig, SpesConfig, SyncConfig
+from spes.config.schema import ModelConfig, Params
 from spes.model.names import canonical_shapes
 from spes.storage.tensorio import Spec, file_bytes
 from spes.sync.codecs import make_codec
@@ -71,10 +71,9 @@ def _split(cfg: ModelConfig, method: SyncMethod) -> tuple[dict, dict]:
     return averaged, {n: sh for n, sh in shapes.items() if n not in averaged}
 
 
-def node_round_traffic(cfg: ModelConfig, s: SpesConfig, sync: SyncConfig, node: int = 0, merging: bool = False,
-                       holds_previous: bool = True) -> RoundTraffic:
+def node_round_traffic(p: Params, node: int = 0, merging: bool = False, holds_previous: bool = True) -> RoundTraffic:
     """Node `node`'s bytes up and down in one round of a run with these settings (see the module doc)."""
-    method = sync_method(s)
+    cfg, sync, method = p.model, p.sync, sync_method(p)
     codec = make_codec(sync.codec, sync.int8_block)
     averaged, experts = _split(cfg, method)
     owners = {j: method.owned(j, cfg.num_experts) for j in range(method.nodes)}
@@ -91,7 +90,7 @@ def node_round_traffic(cfg: ModelConfig, s: SpesConfig, sync: SyncConfig, node: 
                                          for k in MOMENT_KINDS]
     load_numbers = cfg.num_layers * cfg.num_experts if cfg.num_experts else 0
     up = {f"upload {f}": file_bytes(sp) for f, sp in upload.items()}
-    up["upload manifest.json"] = _manifest_bytes("upload", upload, s.sync_steps + load_numbers)
+    up["upload manifest.json"] = _manifest_bytes("upload", upload, sync.every_steps + load_numbers)
     up["upload COMMIT"] = COMMIT_BYTES
 
     glob = {MODEL_FILE: [(n, torch.float32, sh) for n, sh in sorted(canonical_shapes(cfg).items())]}
@@ -121,8 +120,8 @@ def node_round_traffic(cfg: ModelConfig, s: SpesConfig, sync: SyncConfig, node: 
     return RoundTraffic(up, down)
 
 
-def largest_node_traffic(cfg: ModelConfig, s: SpesConfig, sync: SyncConfig, **kw) -> RoundTraffic:
+def largest_node_traffic(p: Params, **kw) -> RoundTraffic:
     """The traffic of the node that moves the most bytes in a round (nodes differ when experts do not divide)."""
-    nodes = sync_method(s).nodes
-    return max((node_round_traffic(cfg, s, sync, i, **kw) for i in range(nodes)),
+    nodes = sync_method(p).nodes
+    return max((node_round_traffic(p, i, **kw) for i in range(nodes)),
                key=lambda t: t.up_bytes + t.down_bytes)

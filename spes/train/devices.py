@@ -3,7 +3,7 @@
 `orchestration.device`: 'auto' = this node's GPU if CUDA is available (node i on GPU i mod visible GPUs,
 so N node processes spread over a multi-GPU machine), else the CPU; 'cuda' = the same but CUDA is
 required; 'cuda:K' / 'cpu' as written. Master weights and optimizer state stay fp32 whatever the device;
-`spes.autocast: bfloat16` runs the forward pass under torch.autocast.
+`train.autocast: bfloat16` runs the forward pass under torch.autocast.
 """
 from __future__ import annotations
 

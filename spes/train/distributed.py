@@ -16,7 +16,7 @@ def rank_and_size() -> tuple[int, int]:
 
 
 def shards_node(parallel: str) -> bool:
-    """Whether this node's ranks shard its model: spes.node_parallel fsdp over more than one rank."""
+    """Whether this node's ranks shard its model: train.node_parallel fsdp over more than one rank."""
     return parallel == "fsdp" and rank_and_size()[1] > 1
 
 

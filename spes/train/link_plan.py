@@ -4,7 +4,7 @@ link's rate and latency, against the time it computes at a stated throughput.
     python -m spes.plan --params configs/spes-2b-16nodes.yaml --link 100Mbit/s --rtt 50ms [--json]
         [--storage-link 10Gbit/s] [--tflops 150] [--mfu 0.3]
 
-Compute per round: the node's tokens (spes.batch_size x seq_len x sync_steps) x the training FLOPs per
+Compute per round: the node's tokens (train.batch_size x seq_len x sync.every_steps) x the training FLOPs per
 token (6 x the parameters a token passes through, the embedding lookup excluded, the LM head included, plus
 the attention scores: 12 x layers x heads x head dim x sequence length), over gpus_per_node x tflops x mfu.
 Transfer per round: the steady round's bytes up, then down, at the link's rate, plus one round trip per file
@@ -19,7 +19,7 @@ import math
 import re
 from typing import Optional
 
-from spes.config.schema import ModelConfig, SpesConfig, SyncConfig
+from spes.config.schema import ModelConfig, Params
 from spes.errors import ConfigError
 from spes.model.names import canonical_shapes, is_expert_param
 from spes.sync.methods import sync_method
@@ -66,21 +66,22 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 6.0 * active + 12.0 * cfg.num_layers * cfg.num_heads * cfg.dim_per_head * seq_len
 
 
-def link_plan(cfg: ModelConfig, s: SpesConfig, sync: SyncConfig, gpus: int, link_bps: float, rtt_s: float,
+def link_plan(p: Params, gpus: int, link_bps: float, rtt_s: float,
               storage_bps: Optional[float] = None, tflops: float = DEFAULT_TFLOPS, mfu: float = DEFAULT_MFU) -> dict:
     """The largest node's steady round: bytes, transfer and compute seconds, their ratio (JSON-able)."""
     if not (tflops > 0 and 0 < mfu <= 1):
         raise ConfigError(f"--tflops must be > 0 and --mfu in (0, 1], got {tflops} and {mfu}")
-    traffic: RoundTraffic = largest_node_traffic(cfg, s, sync)
-    method = sync_method(s)
-    nodes, tokens = method.nodes, method.node_batch_size * s.seq_len * s.sync_steps
+    cfg, sync, seq_len = p.model, p.sync, p.train.seq_len
+    traffic: RoundTraffic = largest_node_traffic(p)
+    method = sync_method(p)
+    nodes, tokens = method.nodes, method.node_batch_size * seq_len * sync.every_steps
 
     def phase(nbytes: int, files: int) -> float:
         t = nbytes * 8 / link_bps + files * rtt_s
         return max(t, nodes * nbytes * 8 / storage_bps) if storage_bps else t
 
     up_s, down_s = phase(traffic.up_bytes, len(traffic.up)), phase(traffic.down_bytes, len(traffic.down))
-    compute_s = tokens * train_flops_per_token(cfg, s.seq_len) / (gpus * tflops * 1e12 * mfu)
+    compute_s = tokens * train_flops_per_token(cfg, seq_len) / (gpus * tflops * 1e12 * mfu)
     transfer_s = up_s + down_s
     return {"codec": sync.codec, "nodes": nodes, "link_bits_per_s": link_bps, "rtt_s": rtt_s,
             "storage_bits_per_s": storage_bps, "tflops": tflops, "mfu": mfu, "gpus_per_node": gpus,

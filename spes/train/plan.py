@@ -1,11 +1,11 @@
 """What a node holds in memory, from the config alone (no model is built):
 
-- weights: trainable in fp32, frozen experts in `spes.frozen_dtype`; gradients and the two AdamW moments
+- weights: trainable in fp32, frozen experts in `train.frozen_dtype`; gradients and the two AdamW moments
   (fp32) of what it trains: the accounting SPES saves on;
 - activations kept for the backward pass of one micro-batch, counted tensor by tensor from what this
   implementation saves (spes/model/transformer.py, spes/model/moe.py; checked against autograd's saved tensors in
-  tests/spes/test_plan.py), with and without `spes.activation_checkpointing: block`;
-- a node of several ranks holds all of it on every rank with `spes.node_parallel: ddp` (plus DDP's gradient
+  tests/spes/test_plan.py), with and without `train.activation_checkpointing: block`;
+- a node of several ranks holds all of it on every rank with `train.node_parallel: ddp` (plus DDP's gradient
   buckets), or 1/G of the weights, gradients and Adam state with `fsdp`, plus what FSDP gathers: the root
   unit (embeddings, final norm, LM head) for the whole step, two blocks at a time (the one computing and
   the one prefetched); activations are those of the rank's micro-batch.
@@ -28,7 +28,7 @@ import math
 import re
 from typing import Optional
 
-from spes.config.schema import LOSS_IMPLS, ModelConfig, SpesConfig
+from spes.config.schema import LOSS_IMPLS, ModelConfig, Params
 from spes.errors import ConfigError
 from spes.model.names import canonical_shapes, is_expert_param
 from spes.sync.methods import sync_method
@@ -37,9 +37,19 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 F32, I64 = 4, 8
 
 
-def node_memory(cfg: ModelConfig, s: SpesConfig, node: int = 0) -> dict:
+def on_nodes(p: Params, method: str, num_nodes: int, ownership: Optional[list[list[int]]] = None) -> Params:
+    """`p` trained by another method on another number of nodes (what a plan sets the run against). The run's
+    membership settings (quorum, planned joins and leaves), written for its own node count and not part of
+    any memory plan, are left out."""
+    return dataclasses.replace(
+        p, sync=dataclasses.replace(p.sync, method=method, num_nodes=num_nodes, ownership=ownership),
+        orchestration=dataclasses.replace(p.orchestration, min_nodes=None, membership_plan=[], evict_after_rounds=0))
+
+
+def node_memory(p: Params, node: int = 0) -> dict:
     """Parameter counts and bytes of node `node` (gradients and two Adam moments in fp32 for what it trains)."""
-    own = sync_method(s).owned(node, cfg.num_experts)
+    cfg, t = p.model, p.train
+    own = sync_method(p).owned(node, cfg.num_experts)
     trainable = frozen = 0
     for name, shape in canonical_shapes(cfg).items():
         n = math.prod(shape)
@@ -49,7 +59,7 @@ def node_memory(cfg: ModelConfig, s: SpesConfig, node: int = 0) -> dict:
             frozen += per_expert * (cfg.num_experts - len(own))
         else:
             trainable += n
-    weights = trainable * 4 + frozen * DTYPE_BYTES[s.frozen_dtype]
+    weights = trainable * 4 + frozen * DTYPE_BYTES[t.frozen_dtype]
     grads, optim = trainable * 4, trainable * 8
     return {"trainable_params": trainable, "frozen_params": frozen, "weights_bytes": weights, "grads_bytes": grads,
             "optimizer_bytes": optim, "total_bytes": weights + grads + optim}
@@ -123,9 +133,10 @@ def autocast_weight_copies(cfg: ModelConfig, m: dict, frozen_dtype: str, checkpo
     return fp32 * 2
 
 
-def unit_params(cfg: ModelConfig, s: SpesConfig, node: int) -> dict[str, tuple[int, int]]:
+def unit_params(p: Params, node: int) -> dict[str, tuple[int, int]]:
     """(trainable, frozen) parameter counts of each FSDP unit: 'root' and 'block' (the largest block)."""
-    own = sync_method(s).owned(node, cfg.num_experts)
+    cfg = p.model
+    own = sync_method(p).owned(node, cfg.num_experts)
     units: dict[str, list[int]] = {}
     for name, shape in canonical_shapes(cfg).items():
         unit = name.split(".")[2] if name.startswith("model.layers.") else "root"
@@ -139,42 +150,44 @@ def unit_params(cfg: ModelConfig, s: SpesConfig, node: int) -> dict[str, tuple[i
     return {"root": (units["root"][0], units["root"][1]), "block": max(blocks, key=sum) if blocks else (0, 0)}
 
 
-def fsdp_gathered_bytes(cfg: ModelConfig, s: SpesConfig, node: int) -> int:
+def fsdp_gathered_bytes(p: Params, node: int) -> int:
     """What a rank holds beyond its shards under fsdp at the step's peak, the start of the backward pass (all
     activations kept): the root unit's weights, unsharded for the whole step, and the LM head's gradient the
     loss has just made; the last block, gathered for its backward, and the one before it (prefetched). A
     block's unsharded gradients exist only while its backward runs, by which time the activations of the
     blocks after it are freed: not counted. Weights are gathered in the compute dtype (bf16 under autocast;
-    else fp32 and frozen experts in spes.frozen_dtype), gradients made in it."""
-    bf16 = s.autocast is not None
+    else fp32 and frozen experts in train.frozen_dtype), gradients made in it."""
+    t = p.train
+    bf16 = t.autocast is not None
 
     def weights(trainable: int, frozen: int) -> int:
-        return (trainable + frozen) * 2 if bf16 else trainable * F32 + frozen * DTYPE_BYTES[s.frozen_dtype]
-    u = unit_params(cfg, s, node)
+        return (trainable + frozen) * 2 if bf16 else trainable * F32 + frozen * DTYPE_BYTES[t.frozen_dtype]
+    u = unit_params(p, node)
     root, block = u["root"], u["block"]
     return weights(*root) + root[0] * (2 if bf16 else F32) + 2 * weights(*block)
 
 
-def plan_node(cfg: ModelConfig, s: SpesConfig, node: int, ranks: int = 1, parallel: Optional[str] = None) -> dict:
+def plan_node(p: Params, node: int, ranks: int = 1, parallel: Optional[str] = None) -> dict:
     """The node's memory per rank: parameters, gradients, optimizer state, activations of one micro-batch.
-    `parallel`: ddp or fsdp over `ranks` ranks (default spes.node_parallel; one rank is neither)."""
-    m = node_memory(cfg, s, node)
-    parallel = (parallel or s.node_parallel) if ranks > 1 else "single"
-    micro = s.micro_batch_size or sync_method(s).node_batch_size // ranks
+    `parallel`: ddp or fsdp over `ranks` ranks (default train.node_parallel; one rank is neither)."""
+    cfg, t = p.model, p.train
+    m = node_memory(p, node)
+    parallel = (parallel or t.node_parallel) if ranks > 1 else "single"
+    micro = t.micro_batch_size or sync_method(p).node_batch_size // ranks
     for ckpt in (False, True):
-        act = activation_bytes(cfg, micro, s.seq_len, ckpt, s.autocast)
-        if s.autocast and parallel != "fsdp":  # fsdp gathers the weights in bf16 instead (counted below)
-            act += autocast_weight_copies(cfg, m, s.frozen_dtype, ckpt)
+        act = activation_bytes(cfg, micro, t.seq_len, ckpt, t.autocast)
+        if t.autocast and parallel != "fsdp":  # fsdp gathers the weights in bf16 instead (counted below)
+            act += autocast_weight_copies(cfg, m, t.frozen_dtype, ckpt)
         m["activations_checkpointed_bytes" if ckpt else "activations_bytes"] = act
     m["micro_batch"], m["parallel"] = micro, parallel
     if parallel == "fsdp":
         m["sharded_bytes"] = math.ceil(m["total_bytes"] / ranks)
-        m["gathered_bytes"] = fsdp_gathered_bytes(cfg, s, node)
+        m["gathered_bytes"] = fsdp_gathered_bytes(p, node)
         state = m["sharded_bytes"] + m["gathered_bytes"]
     else:
         state = m["total_bytes"] + (m["grads_bytes"] if parallel == "ddp" else 0)  # DDP's gradient buckets
     m["state_bytes"] = state
-    use = m["activations_checkpointed_bytes"] if s.activation_checkpointing == "block" else m["activations_bytes"]
+    use = m["activations_checkpointed_bytes"] if t.activation_checkpointing == "block" else m["activations_bytes"]
     m["peak_bytes"] = state + use
     return m
 
@@ -200,32 +213,33 @@ def gib(b: int) -> str:
     return f"{b / 2**30:.2f} GiB"
 
 
-def variants(cfg: ModelConfig, s: SpesConfig, ranks: int) -> dict[str, dict[str, int]]:
+def variants(p: Params, ranks: int) -> dict[str, dict[str, int]]:
     """Peak per GPU of the largest node for each node_parallel (fsdp only with several ranks) x loss_impl."""
+    cfg = p.model
     out: dict[str, dict[str, int]] = {}
     for parallel in ("ddp", "fsdp") if ranks > 1 else ("ddp",):
         for loss in LOSS_IMPLS:
-            c = dataclasses.replace(cfg, loss_impl=loss)
-            out.setdefault(parallel, {})[loss] = max(plan_node(c, s, i, ranks, parallel)["peak_bytes"]
-                                                     for i in range(sync_method(s).nodes))
+            c = dataclasses.replace(p, model=dataclasses.replace(cfg, loss_impl=loss))
+            out.setdefault(parallel, {})[loss] = max(plan_node(c, i, ranks, parallel)["peak_bytes"]
+                                                     for i in range(sync_method(p).nodes))
     return out
 
 
-def report(cfg: ModelConfig, s: SpesConfig, ranks: int, gpu_mem: Optional[int]) -> list[str]:
-    full_s = SpesConfig(**{**s.__dict__, "method": "fedavg", "num_nodes": 1, "ownership": None})
-    full = plan_node(cfg, full_s, 0, ranks)
-    how = f", {s.node_parallel}" if ranks > 1 else ""
+def report(p: Params, ranks: int, gpu_mem: Optional[int]) -> list[str]:
+    cfg, t = p.model, p.train
+    full = plan_node(on_nodes(p, "fedavg", 1), 0, ranks)
+    how = f", {t.node_parallel}" if ranks > 1 else ""
     lines = [f"model: {sum(math.prod(v) for v in canonical_shapes(cfg).values()):,} parameters; micro-batch "
-             f"{full['micro_batch']} x {s.seq_len} tokens per rank, {ranks} rank(s) per node{how}"]
+             f"{full['micro_batch']} x {t.seq_len} tokens per rank, {ranks} rank(s) per node{how}"]
     rows: dict[str, list[int]] = {}
-    for i in range(sync_method(s).nodes):
-        m = plan_node(cfg, s, i, ranks)
+    for i in range(sync_method(p).nodes):
+        m = plan_node(p, i, ranks)
         fits = "" if gpu_mem is None else (" fits" if m["peak_bytes"] <= gpu_mem else " DOES NOT FIT") + \
             f" in {gpu_mem / 2**30:.0f} GiB"
         held = f"; per rank {gib(m['sharded_bytes'])} of shards + {gib(m['gathered_bytes'])} gathered" \
             if m["parallel"] == "fsdp" else ""
         rows.setdefault(
-            f"trainable {m['trainable_params']:,} / frozen {m['frozen_params']:,} ({s.frozen_dtype}) params;"
+            f"trainable {m['trainable_params']:,} / frozen {m['frozen_params']:,} ({t.frozen_dtype}) params;"
             f" weights {m['weights_bytes'] / 2**30:.2f} + grads {m['grads_bytes'] / 2**30:.2f} + Adam "
             f"{m['optimizer_bytes'] / 2**30:.2f} GiB{held}; activations {gib(m['activations_bytes'])} "
             f"({gib(m['activations_checkpointed_bytes'])} with block checkpointing); peak per GPU "
@@ -234,26 +248,27 @@ def report(cfg: ModelConfig, s: SpesConfig, ranks: int, gpu_mem: Optional[int]) 
     for text, nodes in rows.items():  # nodes with the same numbers share a line
         lines.append(f"node{'s' if len(nodes) > 1 else ''} {_ranges(nodes)}: {text}")
     lines.append(f"whole model on one node of {ranks} rank(s): peak per GPU {gib(full['peak_bytes'])}")
-    grid = variants(cfg, s, ranks)
+    grid = variants(p, ranks)
     lines.append("peak per GPU of the largest node: " + "; ".join(
         f"{par} {loss} loss {gib(b)}" for par, row in grid.items() for loss, b in row.items())
         + ("" if ranks > 1 else " (fsdp needs orchestration.gpus_per_node >= 2)"))
     return lines
 
 
-def summary(cfg: ModelConfig, s: SpesConfig, ranks: int, gpu_mem: Optional[int]) -> dict:
+def summary(p: Params, ranks: int, gpu_mem: Optional[int]) -> dict:
     """The largest node's plan as one JSON-able dict (`--json`): fits, peak bytes per GPU, and the peaks of the
     other node_parallel and loss_impl choices."""
-    nodes = [plan_node(cfg, s, i, ranks) for i in range(sync_method(s).nodes)]
+    cfg, t = p.model, p.train
+    nodes = [plan_node(p, i, ranks) for i in range(sync_method(p).nodes)]
     worst = max(nodes, key=lambda m: m["peak_bytes"])
-    grid = variants(cfg, s, ranks)
+    grid = variants(p, ranks)
     other = "plain" if cfg.loss_impl == "chunked" else "chunked"
     return {"fits": None if gpu_mem is None else worst["peak_bytes"] <= gpu_mem, "gpu_mem_bytes": gpu_mem,
             "peak_bytes_per_gpu": worst["peak_bytes"], "ranks_per_node": ranks, "node_parallel": worst["parallel"],
             "loss_impl": cfg.loss_impl, f"peak_bytes_per_gpu_{other}_loss": grid["ddp" if ranks == 1 else
-                                                                               s.node_parallel][other],
+                                                                               t.node_parallel][other],
             "peak_bytes_per_gpu_by_choice": grid, "micro_batch": worst["micro_batch"],
-            "activation_checkpointing": s.activation_checkpointing, "nodes": len(nodes),
+            "activation_checkpointing": t.activation_checkpointing, "nodes": len(nodes),
             "weights_grads_adam_bytes": worst["state_bytes"],
             "activations_bytes": worst["peak_bytes"] - worst["state_bytes"]}
 
@@ -274,7 +289,7 @@ def budget_bytes(budget: Optional[str], variants: dict) -> Optional[int]:
 
 def node_peak_state(vp) -> int:
     """The planned weights + gradients + Adam of a run's largest node."""
-    return max(node_memory(vp.model, vp.spes, i)["total_bytes"] for i in range(sync_method(vp.spes).nodes))
+    return max(node_memory(vp, i)["total_bytes"] for i in range(sync_method(vp).nodes))
 
 
 def _ranges(nodes: list[int]) -> str:

@@ -1,9 +1,9 @@
-"""A node's model sharded over its ranks with FSDP2 (`spes.node_parallel: fsdp`).
+"""A node's model sharded over its ranks with FSDP2 (`train.node_parallel: fsdp`).
 
 Each transformer block is one FSDP unit and the root (embeddings, final norm, LM head) another: a block's
 weights are gathered for its forward and backward and resharded after, so a rank holds 1/G of the weights,
 gradients and AdamW moments plus one gathered block at a time. Frozen experts are sharded like the rest
-(in `spes.frozen_dtype`) and gathered for the forward; they never get a gradient or optimizer state. With
+(in `train.frozen_dtype`) and gathered for the forward; they never get a gradient or optimizer state. With
 bf16 autocast the units compute in bf16 (fp32 master weights; gradients reduced in fp32).
 
 Rank 0 alone holds full tensors: it gives each rank its shard of what it read (the global model, the

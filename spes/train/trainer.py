@@ -14,7 +14,7 @@ from typing import Iterable, Optional, cast
 
 import torch
 
-from spes.config.schema import OptimConfig, SpesConfig
+from spes.config.schema import OptimConfig, Params
 from spes.errors import ConfigError, OptimizerStateError
 from spes.model.losses import decayed_lb_factor
 from spes.model.moe import ExpertChunk, MoE
@@ -41,7 +41,7 @@ class StepMetrics:
     """The router z-loss term of the step (before its coefficient; 0-dim, on the device; None: dense)."""
 
 
-class NodeTrainer:
+class Trainer:
     """One node's optimizer steps. With torch.distributed initialized (a node of several ranks) each rank
     takes its share of the step's batch and gradients are averaged once per step (not per micro-batch):
     `parallel='ddp'` wraps the model in DistributedDataParallel (every rank keeps the same replica and Adam
@@ -266,18 +266,18 @@ def _wrap_ddp(model: CausalLM):
 FROZEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def build_node_trainer(s: SpesConfig, model: CausalLM, node: int, device: Optional[torch.device] = None,
+def build_node_trainer(p: Params, model: CausalLM, node: int, device: Optional[torch.device] = None,
                        owned: Optional[tuple[int, ...]] = None,
-                       expert_steps: Optional[dict[int, float]] = None) -> NodeTrainer:
+                       expert_steps: Optional[dict[int, float]] = None) -> Trainer:
     """The trainer of node `node` under the run's settings: `owned` experts (default: the initial plan,
-    `spes.ownership` or contiguous blocks; every expert for the baselines) trainable, the others frozen in
-    `spes.frozen_dtype`; its ranks (if several) working as `spes.node_parallel` says. `device`: where a model
+    `sync.ownership` or contiguous blocks; every expert for the baselines) trainable, the others frozen in
+    `train.frozen_dtype`; its ranks (if several) working as `train.node_parallel` says. `device`: where a model
     on the meta device goes; `expert_steps`: the stored Adam step count of each expert (chunks by count)."""
-    cfg = model.cfg
-    own = sync_method(s).owned(node, cfg.num_experts) if owned is None else owned
-    model.activation_checkpointing = s.activation_checkpointing == "block"
-    if s.compile:
+    cfg, t = model.cfg, p.train
+    own = sync_method(p).owned(node, cfg.num_experts) if owned is None else owned
+    model.activation_checkpointing = t.activation_checkpointing == "block"
+    if t.compile:
         for block in model.model.layers:
             block.compile()
-    return NodeTrainer(model, own, s.optim, s.total_steps, FROZEN_DTYPES[s.frozen_dtype], s.decayed_lb, s.autocast,
-                       s.micro_batch_size, s.node_parallel, device, expert_steps)
+    return Trainer(model, own, t.optim, p.sync.total_steps, FROZEN_DTYPES[t.frozen_dtype], t.decayed_lb, t.autocast,
+                   t.micro_batch_size, t.node_parallel, device, expert_steps)

@@ -12,9 +12,9 @@ PARAMS = f"{ROOT}/params.yaml"
 
 
 @pytest.mark.parametrize("override,message", [
-    ("spes.optim.lr=inf", "spes.optim.lr must be a finite number, got inf"),
-    ("spes.optim.lr=1e309", "spes.optim.lr must be a finite number, got inf"),
-    ("spes.seed=-1", "spes.seed must be >= 0, got -1"),
+    ("train.optim.lr=inf", "train.optim.lr must be a finite number, got inf"),
+    ("train.optim.lr=1e309", "train.optim.lr must be a finite number, got inf"),
+    ("train.seed=-1", "train.seed must be >= 0, got -1"),
     ("model.rope_theta=0", "model.rope_theta must be > 0"),
     ("model.rope_theta=nan", "model.rope_theta must be a finite number, got nan"),
     ("model.rms_norm_eps=-1", "model.rms_norm_eps must be >= 0"),
@@ -23,7 +23,7 @@ PARAMS = f"{ROOT}/params.yaml"
     ("storage.url=ftp://host/x", "protocol 'ftp' is not supported"),
     ("storage.url=nosuchproto://x", "protocol 'nosuchproto' is not supported"),
     ("storage.url=s3://", "names no bucket"),
-    ("spes.optim.lr=[1,", "bad override in .*ParserError"),
+    ("train.optim.lr=[1,", "bad override in .*ParserError"),
 ])
 def test_a_bad_setting_is_one_line_naming_it(override, message):
     with pytest.raises(ConfigError, match=message) as e:
@@ -50,8 +50,8 @@ def test_names_that_become_paths_match_whole(tmp_path, name):
         load_params(str(f))
 
 
-@pytest.mark.parametrize("override,suggestion", [("spes.num_node=3", "spes.num_nodes"),
-                                                 ("spes.merge.intervall=3", "spes.merge.interval")])
+@pytest.mark.parametrize("override,suggestion", [("spes.num_node=3", "sync.num_nodes"),
+                                                 ("merge.intervall=3", "merge.interval")])
 def test_a_typo_in_a_key_suggests_the_closest_key(override, suggestion):
     with pytest.raises(ConfigError, match=f"did you mean {suggestion}\\?"):
         load_params(PARAMS, [override])

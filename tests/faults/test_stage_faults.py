@@ -127,9 +127,9 @@ def _tree_digest(folder) -> str:
 
 
 @pytest.mark.parametrize("override,message", [
-    ("spes.optim.lr=-1", "spes.optim.lr must be > 0"),
+    ("train.optim.lr=-1", "train.optim.lr must be > 0"),
     ("dense.batch_size=0", "dense.batch_size must be >= 1"),
-    ("spes.ownership=[[0,1,2,3]]", "spes.ownership: ownership lists 1 nodes but spes.num_nodes is 2"),
+    ("sync.ownership=[[0,1,2,3]]", "sync.ownership: ownership lists 1 nodes but sync.num_nodes is 2"),
     ("model.num_kv_heads=0", "model.num_kv_heads must be > 0"),
     ("orchestration.lock_ttl_s=0", "orchestration.lock_ttl_s must be >= 3"),
     ("orchestration.run_name=../../../x", "orchestration.run_name: '../../../x' is not a safe name"),
@@ -161,8 +161,8 @@ def test_a_failed_tokenize_leaves_the_token_folder_as_it_was(project):
 def test_a_deterministic_node_error_is_not_retried_and_names_its_cause(project):
     """Issue 18, item 3: a non-finite loss cannot change on a retry: the node runs once, and the stage's last
     line says which node failed and why, not only that the quorum was missed."""
-    res = stage(project, "stages.rounds", "warmup", "orchestration.run_name=nan", "spes.optim.lr=1e6",
-                "spes.optim.grad_clip=0", "spes.optim.warmup_steps=0", "spes.sync_steps=6", timeout=300)
+    res = stage(project, "stages.rounds", "warmup", "orchestration.run_name=nan", "train.optim.lr=1e6",
+                "train.optim.grad_clip=0", "train.optim.warmup_steps=0", "sync.every_steps=6", timeout=300)
     assert res.returncode == 1
     last = [line for line in res.stderr.splitlines() if line.strip()][-1]
     assert last.startswith("rounds: QuorumError: round 1: only nodes [] committed") and "NonFiniteLoss" in last, last

@@ -18,10 +18,11 @@ TINY = {
               "num_kv_heads": 4, "num_experts": 4, "top_k": 2, "max_seq_len": 64},
     "tokenize": {"max_files": 12},
     "dense": {"steps": 20, "batch_size": 4, "seq_len": 32},
-    "spes": {"sync_steps": 4, "warmup_rounds": 1, "rounds": 2, "batch_size": 4, "seq_len": 32,
-             "merge": {"interval": 4, "decay_steps": 50, "top_k": 2}},
+    "sync": {"every_steps": 4, "warmup_rounds": 1, "rounds": 2},
+    "train": {"batch_size": 4, "seq_len": 32},
+    "merge": {"interval": 4, "decay_steps": 50, "top_k": 2},
     "eval": {"batches": 2, "batch_size": 4, "seq_len": 32},
-    "compare": {"variants": {"spes": [], "centralized": ["spes.method=centralized"]}, "seeds": [0]},
+    "compare": {"variants": {"spes": [], "centralized": ["sync.method=centralized"]}, "seeds": [0]},
 }
 
 
@@ -124,10 +125,10 @@ def test_dvc_repro_end_to_end(tmp_path):
     subprocess.run(git + ["commit", "-qm", "tiny"], cwd=proj, env=env, check=True)
     before = (proj / "params.yaml").read_bytes()
     for flags, hint in ((["--temp"], False), ([], True)):
-        exp = subprocess.run(dvc + ["exp", "run", *flags, "-S", "spes.rounds=0"], cwd=proj, env=env,
+        exp = subprocess.run(dvc + ["exp", "run", *flags, "-S", "sync.rounds=0"], cwd=proj, env=env,
                              capture_output=True, text=True, timeout=300)
         out = exp.stdout + exp.stderr
-        assert exp.returncode != 0 and "config error: " in out and "spes.rounds must be >= 1, got 0" in out, out[-3000:]
+        assert exp.returncode != 0 and "config error: " in out and "sync.rounds must be >= 1, got 0" in out, out[-3000:]
         assert ("`git checkout params.yaml` undoes it" in out) == hint, out[-3000:]
         assert ((proj / "params.yaml").read_bytes() == before) != hint
     subprocess.run(["git", "checkout", "params.yaml"], cwd=proj, env=env, check=True)

@@ -13,8 +13,8 @@ from spes.storage.store import Store
 from spes.sync.methods import sync_method
 from tests.pipelines.tiny_project import init_run, make_project
 
-OVERRIDES = ["spes.num_nodes=3", "model.num_experts=6", "spes.rounds=5", "spes.warmup_rounds=2",
-             "spes.merge.enabled=false", "orchestration.min_nodes=2", "orchestration.evict_after_rounds=1",
+OVERRIDES = ["sync.num_nodes=3", "model.num_experts=6", "sync.rounds=5", "sync.warmup_rounds=2",
+             "merge.enabled=false", "orchestration.min_nodes=2", "orchestration.evict_after_rounds=1",
              "orchestration.node_retries=0", "storage.keep_rounds=null"]
 EXPERT = "model.layers.0.mlp.experts.down_proj"
 
@@ -35,7 +35,7 @@ def test_a_dead_node_is_evicted_a_new_one_joins_and_a_resume_across_it_is_exact(
         return spes_training(params_path=pfile, overrides=OVERRIDES, run_name="elastic", **kw)
 
     assert train(stage="warmup")["rounds_run"] == [1, 2]
-    request(run.store, "elastic", sync_method(p.spes), "join", 3)  # applied at the end of round 3
+    request(run.store, "elastic", sync_method(p), "join", 3)  # applied at the end of round 3
     assert train()["rounds_run"] == [3, 4, 5]
 
     m = {r: run.global_meta(r) for r in range(1, 6)}

@@ -20,7 +20,7 @@ def _params(tmp, carrier):
     p.orchestration.log_every_steps = 1
     p.orchestration.threads_per_node = 1  # a host's node has more cores than a pool's: the same here
     if carrier == "ranks":
-        p.orchestration.gpus_per_node, p.spes.micro_batch_size = 2, 1
+        p.orchestration.gpus_per_node, p.train.micro_batch_size = 2, 1
     return params_from_dict(to_dict(p))  # as a node reads it
 
 

@@ -14,8 +14,8 @@ from tests.spes.round.test_round import make_params, start
 
 def params(tmp_path, name, ranks, batch=4, micro=1, parallel="ddp"):
     p = make_params(tmp_path, name)
-    p.spes.batch_size, p.spes.micro_batch_size, p.orchestration.gpus_per_node = batch, micro, ranks
-    p.spes.node_parallel = parallel
+    p.train.batch_size, p.train.micro_batch_size, p.orchestration.gpus_per_node = batch, micro, ranks
+    p.train.node_parallel = parallel
     p.orchestration.min_nodes = 1  # node 0 alone makes each round: the other node's ranks are not needed
     return params_from_dict(to_dict(p))  # validated like a params file
 
@@ -53,13 +53,13 @@ def test_two_ranks_equal_one_rank_with_the_whole_batch(two_ranks, tmp_path, tiny
     a, b = upload(run2, 1), upload(run1, 1)
     for f in (SHARED_FILE, EXPERTS_FILE):
         for name, t in b[f].items():  # fp32 deltas: the updates agree to rounding (and Adam's eps)
-            assert (a[f][name] - t).abs().max() <= 1e-3 * p1.spes.optim.lr, name
+            assert (a[f][name] - t).abs().max() <= 1e-3 * p1.train.optim.lr, name
     assert metas2[0].upload.expert_load == meta1.upload.expert_load
 
 
 def test_a_resumed_two_rank_node_equals_an_uninterrupted_one(two_ranks, tmp_path, tiny_tokens):
     p, run, _ = two_ranks
-    q = params(tmp_path, "resumed", ranks=2, parallel=p.spes.node_parallel)
+    q = params(tmp_path, "resumed", ranks=2, parallel=p.train.node_parallel)
     resumed = start(q)
     node0(q, resumed, 1, tiny_tokens, checkpoint=True)
     import shutil
@@ -72,16 +72,16 @@ def test_a_resumed_two_rank_node_equals_an_uninterrupted_one(two_ranks, tmp_path
 def test_bad_rank_settings_fail_before_compute(tmp_path):
     p = make_params(tmp_path)
     d = to_dict(p)
-    d["orchestration"]["gpus_per_node"], d["spes"]["batch_size"] = 3, 4
-    with pytest.raises(ConfigError, match=r"spes.batch_size \(4\) must be a multiple of orchestration.gpus_per_node \(3\)"):
+    d["orchestration"]["gpus_per_node"], d["train"]["batch_size"] = 3, 4
+    with pytest.raises(ConfigError, match=r"train.batch_size \(4\) must be a multiple of orchestration.gpus_per_node \(3\)"):
         params_from_dict(d)
-    d["orchestration"]["gpus_per_node"], d["spes"]["micro_batch_size"] = 2, 3
-    with pytest.raises(ConfigError, match=r"spes.micro_batch_size \(3\) must divide the per-rank batch"):
+    d["orchestration"]["gpus_per_node"], d["train"]["micro_batch_size"] = 2, 3
+    with pytest.raises(ConfigError, match=r"train.micro_batch_size \(3\) must divide the per-rank batch"):
         params_from_dict(d)
     if not torch.cuda.is_available():
         from pipelines.node_ranks import check_ranks
         from spes.errors import DeviceError
 
-        d["spes"]["micro_batch_size"], d["orchestration"]["device"] = 1, "cuda"
+        d["train"]["micro_batch_size"], d["orchestration"]["device"] = 1, "cuda"
         with pytest.raises(DeviceError, match="sees no CUDA device"):
             check_ranks(params_from_dict(d))

@@ -129,8 +129,8 @@ def test_straggler_left_out_with_quorum(project, prefect_server, monkeypatch):
     """3 nodes, node 1 (expert 2) too slow in round 2: left out; the shared parameters are the mean of the two
     nodes present, its expert keeps its previous value, and it rejoins in round 3."""
     pfile = params_file(project)
-    overrides = ["spes.num_nodes=3", "spes.ownership=[[0,1],[2],[3]]", "orchestration.round_timeout_s=12",
-                 "orchestration.min_nodes=2", "spes.merge.enabled=false", "storage.keep_rounds=null"]
+    overrides = ["sync.num_nodes=3", "sync.ownership=[[0,1],[2],[3]]", "orchestration.round_timeout_s=12",
+                 "orchestration.min_nodes=2", "merge.enabled=false", "storage.keep_rounds=null"]
     init_run(pfile, "straggler", overrides)
     monkeypatch.setenv("SPES_FAULT_PLAN", '{"slow": {"round": 2, "node": 1, "seconds": 20}}')
     out = train(pfile, "straggler", overrides=overrides)

@@ -13,8 +13,9 @@ from spes.storage.store import Store
 PARAMS = {
     "model": {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 32, "num_layers": 2, "num_heads": 4,
               "num_kv_heads": 4, "num_experts": 4, "top_k": 2, "max_seq_len": 64, "qk_norm": "full"},
-    "spes": {"num_nodes": 2, "sync_steps": 3, "warmup_rounds": 2, "rounds": 3, "batch_size": 2, "seq_len": 32,
-             "merge": {"interval": 6, "alpha_start": 0.05, "decay_steps": 100, "top_k": 2}},
+    "sync": {"num_nodes": 2, "every_steps": 3, "warmup_rounds": 2, "rounds": 3},
+    "train": {"batch_size": 2, "seq_len": 32},
+    "merge": {"interval": 6, "alpha_start": 0.05, "decay_steps": 100, "top_k": 2},
     "orchestration": {"round_timeout_s": 300, "node_retries": 2},
     "dense": {"seq_len": 32}, "eval": {"seq_len": 32, "batches": 2, "batch_size": 2},
 }

@@ -24,8 +24,8 @@ def _raises(err):
 
 def test_each_family_is_one_line_with_its_exit_code(capsys, monkeypatch):
     monkeypatch.setattr("sys.argv", ["/x/stages/rounds.py"])
-    assert _exit(_raises(ConfigError("spes.rounds: must be >= 1")), capsys) == (
-        2, ["config error: spes.rounds: must be >= 1"])
+    assert _exit(_raises(ConfigError("sync.rounds: must be >= 1")), capsys) == (
+        2, ["config error: sync.rounds: must be >= 1"])
     assert _exit(_raises(UsageError("--nodes 'a': expected node ids")), capsys) == (
         2, ["rounds: --nodes 'a': expected node ids"])
     assert _exit(_raises(MissingInput("init does not exist")), capsys) == (1, ["rounds: MissingInput: init does not exist"])

@@ -18,7 +18,7 @@ from tests.conftest import tiny_params
 @pytest.fixture
 def params_file(tmp_path):
     p = tiny_params(vocab_size=512)
-    p.spes.num_nodes, p.spes.seq_len, p.spes.batch_size, p.spes.merge.top_k = 2, 16, 2, 2
+    p.sync.num_nodes, p.train.seq_len, p.train.batch_size, p.merge.top_k = 2, 16, 2, 2
     p.dense.seq_len = p.eval.seq_len = 16
     p.storage.url, p.orchestration.run_name = str(tmp_path / "storage"), "m"
     f = tmp_path / "params.yaml"

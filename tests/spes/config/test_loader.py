@@ -18,23 +18,23 @@ def test_the_embedded_default_validates_and_round_trips():
 
 
 @pytest.mark.parametrize("override,key", [
-    ("spes.num_nodes=3", "model.num_experts / spes.num_nodes"),
+    ("sync.num_nodes=3", "model.num_experts / sync.num_nodes"),
     ("model.top_k=9", "model.top_k"),
-    ("spes.method=gossip", "spes.method"),
-    ("spes.shared_outer=adam", "spes.shared_outer"),
-    ("spes.shared_outer=nesterov spes.method=fedavg", "spes.shared_outer: nesterov is for spes.method spes"),
+    ("sync.method=gossip", "sync.method"),
+    ("outer.shared=adam", "outer.shared"),
+    ("outer.shared=nesterov sync.method=fedavg", "outer.shared: nesterov is for sync.method spes"),
     ("orchestration.min_nodes=5", "orchestration.min_nodes"),
-    ("spes.optim.lr=-1", "spes.optim.lr"),
-    ("spes.optim.lr=0", "spes.optim.lr"),
+    ("train.optim.lr=-1", "train.optim.lr"),
+    ("train.optim.lr=0", "train.optim.lr"),
     ("dense.optim.lr=0", "dense.optim.lr"),
     ("dense.batch_size=0", "dense.batch_size"),
-    ("spes.batch_size=0", "spes.batch_size"),
-    ("spes.ownership=[[0,1,2,3],[4,5,6,7],[]]", "spes.ownership"),
-    ("spes.ownership=[[0,1,2],[3,4,5,6]]", "spes.ownership"),
+    ("train.batch_size=0", "train.batch_size"),
+    ("sync.ownership=[[0,1,2,3],[4,5,6,7],[]]", "sync.ownership"),
+    ("sync.ownership=[[0,1,2],[3,4,5,6]]", "sync.ownership"),
     ("model.num_kv_heads=0", "model.num_kv_heads"),
     ("model.num_heads=0", "model.num_heads"),
-    ("spes.seq_len=0", "spes.seq_len"),
-    ("spes.seq_len=-4", "spes.seq_len"),
+    ("train.seq_len=0", "train.seq_len"),
+    ("train.seq_len=-4", "train.seq_len"),
     ("eval.seq_len=1024", "eval.seq_len"),
     ("orchestration.round_timeout_s=0", "orchestration.round_timeout_s"),
     ("orchestration.lock_ttl_s=0", "orchestration.lock_ttl_s"),
@@ -42,10 +42,10 @@ def test_the_embedded_default_validates_and_round_trips():
     ("orchestration.run_name=../../../x", "orchestration.run_name"),
     ("orchestration.run_name=a/b", "orchestration.run_name"),
     ("orchestration.device=gpu0", "orchestration.device"),
-    ("spes.autocast=int8", "spes.autocast"),
+    ("train.autocast=int8", "train.autocast"),
     ("model.experts_impl=fast", "model.experts_impl"),
     ("storage.retries=-1", "storage.retries"),
-    ("spes.rounds=0", "spes.rounds"),
+    ("sync.rounds=0", "sync.rounds"),
 ])
 def test_bad_settings_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.").replace("/", r"\s*/\s*")) as e:
@@ -61,7 +61,7 @@ def test_validate_reads_no_files():
 
 def test_unknown_keys_and_wrong_types(tmp_path):
     f = tmp_path / "p.yaml"
-    f.write_text("spes:\n  nodes: 3\n")
+    f.write_text("sync:\n  nodes: 3\n")
     with pytest.raises(ConfigError, match="nodes"):
         load_params(str(f))
     f.write_text("model:\n  hidden_size: lots\n")
@@ -69,6 +69,30 @@ def test_unknown_keys_and_wrong_types(tmp_path):
         load_params(str(f))
     with pytest.raises(ConfigError, match="params file not found"):
         load_params(str(tmp_path / "missing.yaml"))
+
+
+@pytest.mark.parametrize("where,former,now", [
+    ("yaml", "spes:\n  sync_steps: 20\n", "spes.sync_steps is now sync.every_steps"),
+    ("yaml", "spes:\n  merge: {top_k: 2}\n", "spes.merge.top_k is now merge.top_k"),
+    ("yaml", "spes:\n  shared_outer: nesterov\n", "spes.shared_outer is now outer.shared"),
+    ("override", "spes.optim.lr=0.01", "spes.optim.lr is now train.optim.lr"),
+    ("override", "spes.nodes=3", "the spes section was split into sync, train, outer, merge; spes.nodes is not"),
+    ("variant", "spes.method=fedavg", "compare.variants.v: spes.method is now sync.method"),
+])
+def test_a_former_spes_key_is_one_line_naming_its_new_key(tmp_path, where, former, now):
+    """Params files and overrides written before the split fail at once, naming where the setting went."""
+    f = tmp_path / "p.yaml"
+    f.write_text(former if where == "yaml" else "")
+    with pytest.raises(ConfigError) as e:
+        if where == "variant":
+            from spes.eval.compare import variant_params
+
+            p = Params()
+            p.compare.variants = {"v": [former]}
+            variant_params(p, "v")
+        else:
+            load_params(str(f), [former] if where == "override" else [])
+    assert now in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("name", ["default", "run-1.b_2", "A"])
@@ -94,10 +118,10 @@ def test_presets_validate_and_become_dvc_overrides(preset):
 
 
 def test_includes(tmp_path):
-    (tmp_path / "base.yaml").write_text("spes: {num_nodes: 4}\nmodel: {num_experts: 8}\n")
-    (tmp_path / "top.yaml").write_text("include: base.yaml\nspes: {batch_size: 4}\n")
+    (tmp_path / "base.yaml").write_text("sync: {num_nodes: 4}\nmodel: {num_experts: 8}\n")
+    (tmp_path / "top.yaml").write_text("include: base.yaml\ntrain: {batch_size: 4}\n")
     p = load_params(str(tmp_path / "top.yaml"))
-    assert (p.spes.num_nodes, p.spes.batch_size) == (4, 4)
+    assert (p.sync.num_nodes, p.train.batch_size) == (4, 4)
     (tmp_path / "a.yaml").write_text("include: b.yaml\n")
     (tmp_path / "b.yaml").write_text("include: a.yaml\n")
     with pytest.raises(ConfigError, match="include cycle"):

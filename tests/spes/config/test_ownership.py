@@ -1,9 +1,9 @@
 import pytest
 
 from spes.config.ownership import Ownership
-from spes.config.schema import SpesConfig
 from spes.errors import OwnershipError
 from spes.sync.methods import sync_method
+from tests.conftest import params_of
 
 
 def test_contiguous_blocks():
@@ -25,11 +25,14 @@ def test_explicit_map_is_checked():
 
 
 def test_ownership_for_methods():
-    assert sync_method(SpesConfig(num_nodes=2)).owned(1, 4) == (2, 3)
-    assert sync_method(SpesConfig(num_nodes=2, ownership=[[3], [0, 1, 2]])).owned(0, 4) == (3,)
-    assert sync_method(SpesConfig(method="diloco", num_nodes=2)).owned(1, 4) == (0, 1, 2, 3)
-    with pytest.raises(OwnershipError, match="lists 3 nodes but spes.num_nodes is 2"):
-        sync_method(SpesConfig(num_nodes=2, ownership=[[0], [1, 2], [3]])).ownership(4)
+    assert sync_method(params_of("sync.num_nodes=2")).owned(1, 4) == (2, 3)
+    four = ("model.num_experts=4", "merge.top_k=2")
+    assert sync_method(params_of(*four, "sync.num_nodes=2", "sync.ownership=[[3],[0,1,2]]")).owned(0, 4) == (3,)
+    assert sync_method(params_of("sync.method=diloco", "sync.num_nodes=2")).owned(1, 4) == (0, 1, 2, 3)
+    spes = sync_method(params_of("sync.num_nodes=2"))
+    spes.sync.ownership = [[0], [1, 2], [3]]  # changed after the checks: the method's own check still holds
+    with pytest.raises(OwnershipError, match="lists 3 nodes but sync.num_nodes is 2"):
+        spes.ownership(4)
 
 
 def test_a_leavers_experts_go_to_the_least_loaded_survivors():
@@ -56,7 +59,7 @@ def test_a_joiner_takes_from_the_most_loaded_until_counts_are_even():
 
 
 def test_baselines_members_train_every_expert():
-    m = sync_method(SpesConfig(method="fedavg", num_nodes=2))
+    m = sync_method(params_of("sync.method=fedavg", "sync.num_nodes=2"))
     assert m.with_node({0: (0, 1), 1: (0, 1)}, 5, 2)[0] == {0: (0, 1), 1: (0, 1), 5: (0, 1)}
     assert m.without_node({0: (0, 1), 1: (0, 1)}, 0, 2)[0] == {1: (0, 1)}
 

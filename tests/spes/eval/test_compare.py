@@ -32,18 +32,18 @@ def _diff(a, b):
 def test_variants_differ_only_in_what_they_name_and_train_on_equal_tokens():
     p = load_params(PARAMS_YAML)
     v = check_matrix(p)
-    assert _diff(v["spes"], v["centralized"]) == {"spes.method"}
-    m = sync_method(v["spes"].spes)
+    assert _diff(v["spes"], v["centralized"]) == {"sync.method"}
+    m = sync_method(v["spes"])
     assert (m.nodes, m.node_batch_size) == (2, 8)
-    m = sync_method(v["centralized"].spes)
+    m = sync_method(v["centralized"])
     assert (m.nodes, m.node_batch_size) == (1, 16)  # derived, not set
-    assert _diff(v["spes"], v["spes-4nodes"]) == {"spes.num_nodes", "spes.batch_size"}
+    assert _diff(v["spes"], v["spes-4nodes"]) == {"sync.num_nodes", "train.batch_size"}
     assert _diff(v["spes"], v["spes-int8"]) == {"sync.codec"}
-    assert _diff(v["spes"], v["spes-no-merge"]) == {"spes.merge.enabled"}
-    assert _diff(v["fedavg"], v["fedadam"]) == {"spes.method", "spes.outer_lr"}
+    assert _diff(v["spes"], v["spes-no-merge"]) == {"merge.enabled"}
+    assert _diff(v["fedavg"], v["fedadam"]) == {"sync.method", "outer.lr"}
     assert len({run_tokens(x) for x in v.values()}) == 1
     cell = variant_params(p, "diloco", seed=1, lr=0.004, budget=4)
-    assert _diff(v["diloco"], cell) == {"spes.seed", "spes.optim.lr", "spes.rounds"} and cell.spes.rounds == 40
+    assert _diff(v["diloco"], cell) == {"train.seed", "train.optim.lr", "sync.rounds"} and cell.sync.rounds == 40
     assert len(cells(p)) == 8 * 2 and cells(p)[0].run_name == "cmp-spes-0-0.002-1"
 
 
@@ -51,14 +51,14 @@ def test_variants_differ_only_in_what_they_name_and_train_on_equal_tokens():
     ({"spes": ["spes.nodes=3"]}, "compare.variants.spes: .*nodes"),
     ({"spes": ["tokenize.max_files=3"]}, "tokenize.max_files may not differ between variants"),
     ({"spes": ["model.hidden_size=64"]}, "model.hidden_size may not differ"),
-    ({"spes": ["spes.batch_size=4"]}, "compare.variants.spes trains on .* tokens, the others on"),
-    ({"spes": ["spes.num_nodes=3"]}, "compare.variants.spes: .*cannot be split evenly over 3 nodes"),
+    ({"spes": ["train.batch_size=4"]}, "compare.variants.spes trains on .* tokens, the others on"),
+    ({"spes": ["sync.num_nodes=3"]}, "compare.variants.spes: .*cannot be split evenly over 3 nodes"),
     ({"bad/name": []}, "not a safe name"),
-    ({"spes": ["spes.merge.enabled"]}, "is not key=value"),
+    ({"spes": ["merge.enabled"]}, "is not key=value"),
 ])
 def test_bad_matrices_are_refused_in_one_line(variants, message):
     p = load_params(PARAMS_YAML)
-    p.compare.variants = {**variants, "centralized": ["spes.method=centralized"]}
+    p.compare.variants = {**variants, "centralized": ["sync.method=centralized"]}
     p.compare.pairs = {}
     with pytest.raises(ConfigError, match=message) as e:
         check_matrix(p)
@@ -67,7 +67,7 @@ def test_bad_matrices_are_refused_in_one_line(variants, message):
 
 def test_duplicate_variant_names_and_a_missing_baseline(tmp_path):
     f = tmp_path / "p.yaml"
-    f.write_text("compare:\n  variants:\n    spes: []\n    spes: [spes.method=fedavg]\n")
+    f.write_text("compare:\n  variants:\n    spes: []\n    spes: [sync.method=fedavg]\n")
     with pytest.raises(ConfigError, match="duplicate key spes"):
         load_params(str(f))
     p = load_params(PARAMS_YAML)
@@ -85,7 +85,7 @@ def _result(variant, seed, lr, loss, **kw):
 
 def test_summary_exact_numbers():
     p = load_params(PARAMS_YAML)
-    p.compare.variants = {"spes": [], "spes-no-merge": ["spes.merge.enabled=false"], "centralized": ["spes.method=centralized"]}
+    p.compare.variants = {"spes": [], "spes-no-merge": ["merge.enabled=false"], "centralized": ["sync.method=centralized"]}
     p.compare.lrs = [0.001, 0.002]
     results = [_result("spes", 0, 0.001, 3.0), _result("spes", 1, 0.001, 3.2), _result("spes", 0, 0.002, 3.5),
                _result("spes", 1, 0.002, 3.7), _result("spes-no-merge", 0, 0.001, 3.05),
@@ -107,7 +107,7 @@ def test_summary_exact_numbers():
 
 def test_paired_difference_to_the_baseline():
     p = load_params(PARAMS_YAML)
-    p.compare.variants = {"spes": [], "centralized": ["spes.method=centralized"]}
+    p.compare.variants = {"spes": [], "centralized": ["sync.method=centralized"]}
     p.compare.pairs = {}
     results = [_result("spes", 0, 0.002, 3.0, heldout_windows=[3.0, 2.0, 4.0]),
                _result("spes", 1, 0.002, 3.1, heldout_windows=[3.2, 2.1, 4.0]),
@@ -162,8 +162,8 @@ def test_paired_comparisons_and_their_verdict():
     from spes.eval.stats import clustered_se, verdict
 
     p = load_params(PARAMS_YAML)
-    p.compare.variants = {"spes": [], "spes-no-merge": ["spes.merge.enabled=false"], "spes-k1": ["spes.merge.top_k=1"],
-                          "spes-a02": ["spes.merge.alpha_start=0.2"], "centralized": ["spes.method=centralized"]}
+    p.compare.variants = {"spes": [], "spes-no-merge": ["merge.enabled=false"], "spes-k1": ["merge.top_k=1"],
+                          "spes-a02": ["merge.alpha_start=0.2"], "centralized": ["sync.method=centralized"]}
     p.compare.pairs = {"spes": "spes-no-merge", "spes-k1": "spes-no-merge", "spes-a02": "spes-no-merge"}
     check_matrix(p)
     ref = [1.0, 2.0, 3.0, 4.0]
@@ -207,7 +207,7 @@ def test_paired_comparisons_and_their_verdict():
 def test_a_preset_with_its_own_variants_drops_the_included_pairs(tmp_path):
     (tmp_path / "base.yaml").write_text(open(PARAMS_YAML).read())
     (tmp_path / "study.yaml").write_text("include: base.yaml\ncompare:\n  variants:\n    spes: []\n"
-                                         "    centralized: [spes.method=centralized]\n")
+                                         "    centralized: [sync.method=centralized]\n")
     (tmp_path / "pairs.yaml").write_text("include: base.yaml\ncompare:\n  pairs: {spes-int8: spes}\n")
     assert load_params(PARAMS_YAML).compare.pairs == {"spes": "spes-no-merge"}
     study = load_params(str(tmp_path / "study.yaml"))
@@ -239,13 +239,13 @@ def test_the_merging_studies_set_each_variant_against_its_no_merge_twin(name, me
     p = load_params(os.path.join(os.path.dirname(PARAMS_YAML), "configs", name))
     v = check_matrix(p)
     for variant, reference in p.compare.pairs.items():
-        assert not v[reference].spes.merge.enabled and v[variant].spes.merge.enabled
-        assert all(k.startswith("spes.merge.") for k in _diff(v[variant], v[reference])), variant
-    merges = {n for n, x in v.items() if x.spes.method == "spes" and x.spes.merge.enabled}
+        assert not v[reference].merge.enabled and v[variant].merge.enabled
+        assert all(k.startswith("merge.") for k in _diff(v[variant], v[reference])), variant
+    merges = {n for n, x in v.items() if x.sync.method == "spes" and x.merge.enabled}
     assert set(p.compare.pairs) == merges and len(merges) == merging
     assert {x.init.mode for x in v.values()} == {init}
     for eight in (x for n, x in v.items() if "8n16e" in n):
-        assert (eight.model.num_experts, sync_method(eight.spes).nodes) == (16, 8)
+        assert (eight.model.num_experts, sync_method(eight).nodes) == (16, 8)
 
 
 def test_equal_memory_per_node_the_largest_expert_count_that_fits():
@@ -262,7 +262,7 @@ def test_equal_memory_per_node_the_largest_expert_count_that_fits():
     six = variant_params(p, "fedavg-e5")
     six.model.num_experts = 6
     assert node_peak_state(six) > budget
-    assert _diff(v["spes"], v["fedavg-e5"]) == {"spes.method", "model.num_experts"}
+    assert _diff(v["spes"], v["fedavg-e5"]) == {"sync.method", "model.num_experts"}
     assert budget_bytes("40MiB", v) == 40 * 2**20 and budget_bytes(None, v) is None
     with pytest.raises(ConfigError, match="compare.node_memory must be a variant .* or a size like 40MiB, got 'lots'"):
         budget_bytes("lots", v)
@@ -270,7 +270,7 @@ def test_equal_memory_per_node_the_largest_expert_count_that_fits():
 
 def test_the_report_marks_each_variant_within_the_memory_budget_or_over_it():
     p = load_params(PARAMS_YAML)
-    p.compare.variants = {"spes": [], "centralized": ["spes.method=centralized"]}
+    p.compare.variants = {"spes": [], "centralized": ["sync.method=centralized"]}
     p.compare.pairs = {}
     p.compare.node_memory = "spes"
     results = [_result("spes", 0, 0.002, 3.0, memory_bytes_per_node=2 * 2**20, state_bytes_per_node=3 * 2**20,
@@ -302,7 +302,7 @@ def test_window_documents(tiny_tokens):
 def test_the_sync_interval_frontier_exact_numbers():
     p = load_params(os.path.join(os.path.dirname(PARAMS_YAML), "configs", "compare-sync.yaml"))
     resolved = check_matrix(p)  # every interval at equal tokens and equal warm-up steps
-    assert {(v.spes.sync_steps * v.spes.rounds, v.spes.sync_steps * v.spes.warmup_rounds)
+    assert {(v.sync.every_steps * v.sync.rounds, v.sync.every_steps * v.sync.warmup_rounds)
             for v in resolved.values()} == {(500, 200)}
     p.compare.seeds = [0]
     results = [_result(v, 0, 0.002, 3.0 + i / 10, bytes_per_node_per_round=1000.0 * (i + 1), tokens=1000)
@@ -326,7 +326,7 @@ def test_the_sync_interval_frontier_exact_numbers():
         pytest.approx(0.15)
     assert front["spes-nesterov-s10"]["diff_to_base_interval"] == pytest.approx(0.15)  # against spes-nesterov
     assert front["spes-avgopt-s100"]["diff_to_base_interval"] == pytest.approx(0.15)  # against spes-avgopt
-    p.compare.variants = {"spes": [], "fedavg": ["spes.method=fedavg"], "centralized": ["spes.method=centralized"]}
+    p.compare.variants = {"spes": [], "fedavg": ["sync.method=fedavg"], "centralized": ["sync.method=centralized"]}
     p.compare.pairs = {}
     assert summarize(p, results[:1] + results[4:5] + results[14:])["frontier"] == []  # one interval: no frontier
 

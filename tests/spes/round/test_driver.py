@@ -12,12 +12,12 @@ from spes.run.records import NodeReport
 from tests.conftest import start_run, tiny_params
 
 
-def _params(tmp_path, **spes) -> Params:
+def _params(tmp_path, **sync) -> Params:
     p = tiny_params(vocab_size=512)
-    s = p.spes
-    s.num_nodes, s.sync_steps, s.batch_size, s.seq_len, s.rounds, s.warmup_rounds = 2, 1, 1, 16, 50, 0
-    s.merge.enabled = False
-    for k, v in spes.items():
+    s = p.sync
+    s.num_nodes, s.every_steps, p.train.batch_size, p.train.seq_len, s.rounds, s.warmup_rounds = 2, 1, 1, 16, 50, 0
+    p.merge.enabled = False
+    for k, v in sync.items():
         setattr(s, k, v)
     p.dense.seq_len = p.eval.seq_len = 16
     p.eval.round_batches, p.eval.batch_size = 1, 2
@@ -81,7 +81,7 @@ def test_a_round_records_what_happened_and_a_missing_quorum_names_the_cause(tmp_
 
 
 def test_an_extended_wsd_run_equals_one_that_had_that_many_rounds_from_the_start(tmp_path, data):
-    """spes.optim.schedule=wsd: more rounds keep the run (same fingerprint); the rounds that decayed under the
+    """train.optim.schedule=wsd: more rounds keep the run (same fingerprint); the rounds that decayed under the
     old total are set aside and recomputed, and the result is bitwise the run that had that many rounds from
     the start. With cosine, the same change is another run (the error says so)."""
     from spes.errors import RunMismatch
@@ -92,7 +92,7 @@ def test_an_extended_wsd_run_equals_one_that_had_that_many_rounds_from_the_start
 
     def params(folder, rounds, schedule="wsd"):
         p = _params(tmp_path / folder, rounds=rounds, sync_steps=2)
-        p.spes.optim.schedule, p.spes.optim.decay_fraction, p.spes.optim.warmup_steps = schedule, 0.5, 1
+        p.train.optim.schedule, p.train.optim.decay_fraction, p.train.optim.warmup_steps = schedule, 0.5, 1
         p.storage.keep_rounds = None  # rounds 1-2 stay whole (by default, a resume falls back to a checkpoint round)
         return p
 
@@ -121,7 +121,7 @@ def test_an_extended_wsd_run_equals_one_that_had_that_many_rounds_from_the_start
     ref = _start(params("b", 6))
     rounds(params("b", 6), ref, 1, 6)
     assert sha(run, 6) == sha(ref, 6)
-    with pytest.raises(RunMismatch, match=r"spes.rounds: 4 -> 6.*with spes.optim.schedule=wsd a run can be extended"):
+    with pytest.raises(RunMismatch, match=r"sync.rounds: 4 -> 6.*with train.optim.schedule=wsd a run can be extended"):
         c4 = params("c", 4, "cosine")
         c = _start(c4)
         c.store.remove(c.layout.info)

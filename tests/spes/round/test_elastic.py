@@ -21,9 +21,9 @@ EXPERT = "model.layers.0.mlp.experts.down_proj"
 
 def _params(tmp_path, name) -> Params:
     p = tiny_params(vocab_size=512, num_experts=E)
-    s = p.spes
-    s.num_nodes, s.sync_steps, s.rounds, s.warmup_rounds, s.batch_size, s.seq_len = 3, 2, 5, 0, 2, 16
-    s.merge.enabled = False
+    s = p.sync
+    s.num_nodes, s.every_steps, s.rounds, s.warmup_rounds, p.train.batch_size, p.train.seq_len = 3, 2, 5, 0, 2, 16
+    p.merge.enabled = False
     p.dense.seq_len = p.eval.seq_len = 16
     p.storage.url, p.orchestration.device = str(tmp_path / f"{name}-storage"), "cpu"
     p.orchestration.node_state_dir = str(tmp_path / f"{name}-nodes")
@@ -48,7 +48,7 @@ def _nodes(r):
 def _play(p, run, data, rounds):
     for r in rounds:
         if r == 3 and not run.store.list_names(run.layout.membership_dir):
-            request(run.store, "r", sync_method(p.spes), "join", 7)
+            request(run.store, "r", sync_method(p), "join", 7)
         _round(p, run, data, r, _nodes(r))
 
 
@@ -106,7 +106,7 @@ def test_a_resume_across_a_membership_change_equals_the_uninterrupted_run(tmp_pa
 def test_requests_that_cannot_be_are_refused_with_nothing_written(tmp_path, data):
     p = _params(tmp_path, "a")
     run = _start(p)
-    method = sync_method(p.spes)
+    method = sync_method(p)
     with pytest.raises(MembershipError, match=r"node 1 is already a member of run 'r' \(members after round 0: \[0, 1, 2\]\)"):
         request(run.store, "r", method, "join", 1)
     with pytest.raises(MembershipError, match="node 5 is not a member of run 'r'"):

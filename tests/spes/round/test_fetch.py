@@ -18,7 +18,7 @@ from tests.spes.round.test_round import do_round, make_params, start
 def three_rounds(tmp_path_factory, tiny_tokens):
     tmp = tmp_path_factory.mktemp("fetch")
     p = make_params(tmp)
-    p.spes.merge.enabled = False  # steady state: the deltas refer to the owners' uploads
+    p.merge.enabled = False  # steady state: the deltas refer to the owners' uploads
     run = start(p)
     data = TokenData.open(tiny_tokens)
     for r in (1, 2, 3):
@@ -42,7 +42,7 @@ def _fetch(p, run, base_round=1, base_sha=None, tamper=False):
     run.store.read_bundle = lambda rel, *a, **k: whole.append(rel) or read_bundle(rel, *a, **k)
     try:
         tensors, sha = fetch_global(run.store, run.layout, 3, manifest, make_codec(p.sync.codec),
-                                    sync_method(p.spes), base, lambda: dict(g1))
+                                    sync_method(p), base, lambda: dict(g1))
     finally:
         del run.store.read_bundle
     assert sha == manifest["files"][MODEL_FILE]["sha256"] == tensors_sha256(tensors)  # the committed model
@@ -66,7 +66,7 @@ def test_an_untrustworthy_chain_downloads_the_global_whole(three_rounds, case, c
 @pytest.mark.parametrize("case", ["broken chain", "referenced upload pruned", "damaged delta manifest"])
 def test_a_missing_link_downloads_the_global_whole(tmp_path, tiny_tokens, case, caplog):
     p = make_params(tmp_path)
-    p.spes.merge.enabled = False
+    p.merge.enabled = False
     run = start(p)
     data = TokenData.open(tiny_tokens)
     for r in (1, 2, 3):

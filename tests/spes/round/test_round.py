@@ -27,10 +27,10 @@ from tests.conftest import tiny_params
 
 def make_params(tmp_path, name="s", **sync) -> Params:
     p = tiny_params(vocab_size=512)
-    s = p.spes
-    s.num_nodes, s.sync_steps, s.rounds, s.warmup_rounds, s.batch_size, s.seq_len = 2, 2, 4, 2, 2, 16
+    s, t, m = p.sync, p.train, p.merge
+    s.num_nodes, s.every_steps, s.rounds, s.warmup_rounds, t.batch_size, t.seq_len = 2, 2, 4, 2, 2, 16
     p.dense.seq_len = p.eval.seq_len = 16  # a valid params file (nodes of several ranks re-validate it)
-    s.merge.interval, s.merge.decay_steps, s.merge.top_k = 4, 100, 2  # merging at round 2 (step 4)
+    m.interval, m.decay_steps, m.top_k = 4, 100, 2  # merging at round 2 (step 4)
     for k, v in sync.items():
         setattr(p.sync, k, v)
     p.storage.url, p.orchestration.device = str(tmp_path / f"{name}-storage"), "cpu"
@@ -70,7 +70,7 @@ def test_every_node_rebuilds_the_committed_global_bit_for_bit(tmp_path, data, co
         assert agg.merged == (r == 2)
         dm = run.store.read_manifest(run.layout.delta_dir(r))
         rows = {f: ref["rows"] for f, ref in dm["meta"]["expert_files"].items()}
-        rebuilt = apply_delta(_global(run, r - 1), c, sync_method(p.spes), delta_files(run.store, run.layout, r, dm),
+        rebuilt = apply_delta(_global(run, r - 1), c, sync_method(p), delta_files(run.store, run.layout, r, dm),
                               rows)
         committed_sha = run.store.read_manifest(run.layout.global_dir(r))["files"][MODEL_FILE]["sha256"]
         assert tensors_sha256(rebuilt) == committed_sha == dm["meta"]["global_sha256"]
@@ -110,14 +110,14 @@ def test_spes_aggregation_exact_and_downloads_skip_own_experts(tmp_path, data):
 
 
 def test_spes_with_an_outer_nesterov_step_on_the_shared_parameters_exact(tmp_path, data):
-    """spes.shared_outer nesterov: shared tensors take DiLoCo's outer step on the nodes' mean delta (momentum
+    """outer.shared nesterov: shared tensors take DiLoCo's outer step on the nodes' mean delta (momentum
     kept in the global across rounds), experts still their owner's delta."""
     from spes.run.layout import OUTER_FILE
     from spes.sync.outer import OuterSGD
 
     p = make_params(tmp_path)
-    p.spes.shared_outer = "nesterov"
-    p.spes.merge.enabled = False  # experts: their owner's delta alone, in both rounds
+    p.outer.shared = "nesterov"
+    p.merge.enabled = False  # experts: their owner's delta alone, in both rounds
     run = start(p)
     bufs = {}
     for r in (1, 2):
@@ -146,7 +146,7 @@ def test_fedadam_keeps_two_moments_per_tensor_beside_the_global_exact(tmp_path, 
     from spes.sync.fedadam import OuterAdam
 
     p = make_params(tmp_path)
-    p.spes.method, p.spes.outer_lr = "fedadam", 0.01
+    p.sync.method, p.outer.lr = "fedadam", 0.01
     run = start(p)
     adam, state = OuterAdam(0.01, 0.9, 0.99, 1e-3), {}
     for r in (1, 2):
@@ -274,8 +274,8 @@ def test_node_state_is_the_one_the_global_was_built_with(tmp_path, data):
 
 def test_non_finite_loss_stops_the_node_and_commits_nothing(tmp_path, data):
     p = make_params(tmp_path)
-    p.spes.optim.lr, p.spes.optim.grad_clip, p.spes.optim.warmup_steps = 1e6, 0.0, 0
-    p.spes.sync_steps = 6
+    p.train.optim.lr, p.train.optim.grad_clip, p.train.optim.warmup_steps = 1e6, 0.0, 0
+    p.sync.every_steps = 6
     run = start(p)
     with pytest.raises(NonFiniteLoss, match=r"node 0 round 1: (loss is nan at step \d|.* is not finite after step 5)"):
         node_round(p, run.store, "r", 1, 0, data)
@@ -302,7 +302,7 @@ def test_a_finished_run_keeps_on_the_node_machine_only_what_a_resume_needs(tmp_p
     from spes.run.local_runs import forget_finished_run
 
     p = make_params(tmp_path)
-    p.spes.rounds = 2
+    p.sync.rounds = 2
     store = Store.from_config(p.storage)
     runs = {}
     for name in ("done", "open", "next"):

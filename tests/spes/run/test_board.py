@@ -38,7 +38,7 @@ def _read(folder: str) -> dict:
 
 def test_the_events_hold_the_records_numbers_at_token_counts(tmp_path):
     p = Params(artifacts_dir=str(tmp_path))
-    p.spes.sync_steps = 2
+    p.sync.every_steps = 2
     b = RunBoard(p, "r", 0)
     b.add(_record(1, {0: [5.0, 4.5], 1: [5.1, 4.6]}, heldout=4.9))
     b.add(_record(2, {0: [4.2, 4.0], 1: [4.3, 4.1]}))
@@ -47,7 +47,7 @@ def test_the_events_hold_the_records_numbers_at_token_counts(tmp_path):
     # each round: 2 nodes x 2 steps x 100 tokens = 400 tokens, a step of both nodes 200
     assert ev["train/loss/node0"] == [(200, 5.0), (400, 4.5), (600, _f32(4.2)), (800, 4.0)]
     assert ev["train/loss/node1"] == [(200, _f32(5.1)), (400, _f32(4.6)), (600, _f32(4.3)), (800, _f32(4.1))]
-    assert ev["train/lr"] == [(200 * (i + 1), _f32(lr_at(i, p.spes.optim, p.spes.total_steps))) for i in range(4)]
+    assert ev["train/lr"] == [(200 * (i + 1), _f32(lr_at(i, p.train.optim, p.sync.total_steps))) for i in range(4)]
     assert ev["heldout/loss"] == [(400, _f32(4.9))]  # round 2 had none
     assert ev["traffic/up_bytes/node1"] == [(400, 2001.0), (800, 2001.0)]
     assert ev["traffic/down_bytes/node0"] == [(400, 1000.0), (800, 1000.0)]
@@ -65,7 +65,7 @@ def test_the_events_hold_the_records_numbers_at_token_counts(tmp_path):
 
 def test_a_resume_replaces_the_recomputed_rounds_points(tmp_path):
     p = Params(artifacts_dir=str(tmp_path))
-    p.spes.sync_steps = 2
+    p.sync.every_steps = 2
     b = RunBoard(p, "r", 0)
     b.add(_record(1, {0: [5.0, 4.5]}, heldout=4.9))
     b.add(_record(2, {0: [4.2, 4.0]}, heldout=4.1))

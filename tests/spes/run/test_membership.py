@@ -4,14 +4,14 @@ import json
 
 import pytest
 
-from spes.config.schema import SpesConfig
 from spes.errors import RecordError
 from spes.run.layout import RunLayout
 from spes.run.membership import Request, initial_membership, next_membership, read_requests
 from spes.storage.store import Store
 from spes.sync.methods import sync_method
+from tests.conftest import params_of
 
-SPES = sync_method(SpesConfig(num_nodes=3))
+SPES = sync_method(params_of("sync.num_nodes=3", "model.num_experts=6"))
 
 
 def test_initial_membership_is_the_params_plan():
@@ -41,7 +41,7 @@ def test_requests_apply_once_at_their_round_and_a_refusal_is_recorded():
     assert again.membership == c.membership
     assert next_membership(m, SPES, 6, 4, [0, 1, 2], c.stamped, evict_after=0).membership == \
         next_membership(m, SPES, 6, 4, [0, 1, 2], [], evict_after=0).membership  # applied at 3, not again at 4
-    one = initial_membership(sync_method(SpesConfig(num_nodes=1)), 2)
+    one = initial_membership(sync_method(params_of("sync.num_nodes=1")), 2)
     r = next_membership(one, SPES, 2, 2, [0], [Request("leave", 0)], evict_after=0)
     assert r.membership.members == [0] and r.stamped[0].refused.startswith("node 0 is the run's last member")
     assert r.changes == [f"leave of node 0 refused: {r.stamped[0].refused}"]

@@ -1,5 +1,6 @@
 """A run's identity and rounds on storage: fingerprint, creation, mismatch, resume resolution, records."""
 import copy
+import os
 
 import pytest
 import torch
@@ -20,31 +21,31 @@ from tests.conftest import tiny_config
 
 def test_new_settings_at_their_neutral_value_keep_runs_resumable(monkeypatch):
     p = Params()
-    p.spes.sync_steps = 77
+    p.sync.every_steps = 77
     now = to_dict(p)
     older = copy.deepcopy(now)
-    del older["spes"]["autocast"], older["spes"]["merge"]["top_k"]  # as written by a release without them
+    del older["train"]["autocast"], older["merge"]["top_k"]  # as written by a release without them
     assert fingerprint_of(older) != settings_fingerprint(p)  # every resolved key counts ...
-    monkeypatch.setattr(identity, "ADDED_LATER", {"spes.autocast": None, "spes.merge.top_k": 4})
+    monkeypatch.setattr(identity, "ADDED_LATER", {"train.autocast": None, "merge.top_k": 4})
     assert fingerprint_of(older) == settings_fingerprint(p)  # ... but a key added later, at its neutral value
-    p.spes.merge.top_k = 2
+    p.merge.top_k = 2
     assert fingerprint_of(older) != settings_fingerprint(p)
 
 
 def test_fedadams_settings_leave_earlier_runs_fingerprints_alone():
-    """spes.outer_beta2 and spes.outer_eps came with FedAdam: a run written before them hashes the same."""
+    """outer.beta2 and outer.eps came with FedAdam: a run written before them hashes the same."""
     p = Params()
     older = to_dict(p)
-    del older["spes"]["outer_beta2"], older["spes"]["outer_eps"]
+    del older["outer"]["beta2"], older["outer"]["eps"]
     assert fingerprint_of(older) == settings_fingerprint(p)
-    p.spes.outer_eps = 1e-4
+    p.outer.eps = 1e-4
     assert fingerprint_of(older) != settings_fingerprint(p)
 
 
 def test_a_run_from_before_fingerprint_versions_stays_resumable(tmp_path):
     """Such a run hashed only what differed from the schema defaults of its time."""
     p = Params()
-    p.spes.sync_steps = 20  # the old default: not in its fingerprint
+    p.sync.every_steps = 20  # the old default: not in its fingerprint
     run = Run(Store(str(tmp_path)), "r")
     run.ensure("x", _init())
     info = run.store.read_manifest(run.layout.info)["meta"]
@@ -52,14 +53,14 @@ def test_a_run_from_before_fingerprint_versions_stays_resumable(tmp_path):
     run.store.write_bundle(run.layout.info, {}, {k: v for k, v in info.items() if k != "fingerprint_version"}
                            | {"fingerprint": legacy_fingerprint(p)})
     run.ensure(settings_fingerprint(p), None, legacy=legacy_fingerprint(p))
-    p.spes.sync_steps = 21
+    p.sync.every_steps = 21
     with pytest.raises(RunMismatch):
         run.ensure(settings_fingerprint(p), None, legacy=legacy_fingerprint(p))
 
 
 def test_fingerprint_tracks_what_changes_the_run():
     base = settings_fingerprint(Params())
-    for section, key, value in (("spes", "sync_steps", 3), ("model", "top_k", 1), ("spes", "autocast", "bfloat16")):
+    for section, key, value in (("sync", "every_steps", 3), ("model", "top_k", 1), ("train", "autocast", "bfloat16")):
         p = Params()
         setattr(getattr(p, section), key, value)
         assert settings_fingerprint(p) != base, key
@@ -215,3 +216,26 @@ def test_superseding_a_run_is_an_explicit_choice_and_superseded_rounds_are_bound
     assert run.prune_superseded(2) == stamps[:2]
     assert sorted(p.name for p in (tmp_path / "runs/r/superseded").iterdir()) == stamps[2:]
     assert run.prune_superseded(None) == []
+
+
+BEFORE_THE_SPLIT = {  # fingerprint, legacy fingerprint: computed by the code before the `spes` section's split (1bff7d4)
+    (): ("14c6390c7ccf5865", "31692fc329ba8953"),
+    ("sync.method=diloco", "outer.lr=0.5"): ("9161f9c24540ad40", "01d062529b9b91c9"),
+    ("train.optim.schedule=wsd", "outer.shared=nesterov", "merge.top_k=2", "sync.codec=int8"):
+        ("ff9350e2f5182fdf", "7e5b96f64823055b"),
+    ("sync.num_nodes=4", "train.batch_size=4", "sync.ownership=[[0,1],[2,3],[4,5],[6,7]]", "train.seed=3"):
+        ("13976057d5df6cd2", "3b0c0772e9db12f3"),
+    ("sync.method=fedadam", "outer.lr=0.01", "outer.beta2=0.9", "outer.eps=0.01", "sync.token_weighted=true"):
+        ("68b96bce6359d94a", "5e93bc637d6da407"),
+}
+
+
+@pytest.mark.parametrize("overrides", list(BEFORE_THE_SPLIT))
+def test_the_split_of_the_spes_section_changed_no_fingerprint(overrides):
+    """Runs made before `spes` became sync, train, outer and merge keep their identity: the fingerprint hashes
+    every key under its former name (spes/config/renamed.py), so the same settings give the same hash."""
+    from spes.config.loader import load_params
+    from tests.conftest import ROOT
+
+    p = load_params(os.path.join(ROOT, "params.yaml"), list(overrides))
+    assert (settings_fingerprint(p), legacy_fingerprint(p)) == BEFORE_THE_SPLIT[overrides]

@@ -1,12 +1,12 @@
 """What a node uploads: its trained tensors' delta, split into averaged tensors and its own expert rows."""
 import torch
 
-from spes.config.schema import SpesConfig
 from spes.sync.codecs import make_codec
 from spes.sync.deltas import EXPERTS_FILE, SHARED_FILE, encode_upload
 from spes.sync.methods import sync_method
+from tests.conftest import params_of
 
-SPES, DILOCO = sync_method(SpesConfig()), sync_method(SpesConfig(method="diloco"))
+SPES, DILOCO = sync_method(params_of()), sync_method(params_of("sync.method=diloco"))
 
 
 def test_encode_upload_splits_and_keeps_the_residual():

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from spes.config.schema import CODECS, METHODS, SpesConfig
+from spes.config.schema import CODECS, METHODS, Params
 from spes.errors import AggregationError, ConfigError
 from spes.sync.codecs import CODEC_CLASSES, FP32, Codec
 from spes.sync.fedadam import FedAdam, OuterAdam
@@ -10,30 +10,31 @@ from spes.sync.method import FullModelMethod, SyncMethod, node_weights, weighted
 from spes.sync.methods import METHODS as REGISTRY
 from spes.sync.methods import Centralized, DiLoCo, FedAvg, Spes, sync_method
 from spes.sync.outer import OuterSGD
+from tests.conftest import params_of
 
 
-def method(name, **kw):
-    return sync_method(SpesConfig(method=name, num_nodes=2, **kw))
+def method(name, *overrides):
+    return sync_method(params_of(f"sync.method={name}", "sync.num_nodes=2", *overrides))
 
 
-def global_change(name, deltas, weights, state=None, **kw):
-    return method(name, **kw).global_change("w", deltas, weights, state or {})
+def global_change(name, deltas, weights, state=None, *overrides):
+    return method(name, *overrides).global_change("w", deltas, weights, state or {})
 
 
 def test_each_method_is_an_object_with_its_own_rules():
     assert [type(method(n)) for n in ("spes", "fedavg", "centralized", "diloco", "fedadam")] == \
         [Spes, FedAvg, Centralized, DiLoCo, FedAdam]
-    with pytest.raises(ConfigError, match="spes.method must be one of"):
+    with pytest.raises(ConfigError, match="sync.method must be one of"):
         method("gossip")
-    spes, central = method("spes", batch_size=8), method("centralized", batch_size=8)
+    spes, central = method("spes", "train.batch_size=8"), method("centralized", "train.batch_size=8")
     assert (spes.nodes, spes.node_batch_size, central.nodes, central.node_batch_size) == (2, 8, 1, 16)
     assert spes.owned(1, 4) == (2, 3) and method("fedavg").owned(1, 4) == (0, 1, 2, 3)
     expert, shared = "model.layers.0.mlp.experts.down_proj", "model.layers.0.mlp.gate.weight"
     assert (spes.is_averaged(expert), spes.is_averaged(shared), method("fedavg").is_averaged(expert)) == (False, True, True)
     assert spes.sparse_experts and not method("diloco").sparse_experts
     specs = lambda m: [k for k, _, _ in m.outer_state_specs("w", (3,))]  # noqa: E731
-    assert specs(method("diloco")) == ["w"] and specs(method("diloco", outer_momentum=0.0)) == []
-    assert specs(spes) == [] and specs(method("spes", shared_outer="nesterov")) == ["w"]
+    assert specs(method("diloco")) == ["w"] and specs(method("diloco", "outer.momentum=0.0")) == []
+    assert specs(spes) == [] and specs(method("spes", "outer.shared=nesterov")) == ["w"]
     assert specs(method("fedadam")) == ["w#exp_avg", "w#exp_avg_sq", "w#step"]  # sorted: stays adjacent in files
     with pytest.raises(AggregationError, match="does not merge"):
         method("fedavg").merge({}, 0.1)
@@ -42,14 +43,14 @@ def test_each_method_is_an_object_with_its_own_rules():
 def test_the_interfaces_are_abstract_and_each_registry_is_the_schemas_list():
     for abstract in (SyncMethod, FullModelMethod, Codec):
         with pytest.raises(TypeError, match="abstract"):
-            abstract(SpesConfig()) if abstract is not Codec else abstract()
+            abstract(Params()) if abstract is not Codec else abstract()
     assert sorted(REGISTRY) == sorted(METHODS) and sorted(CODEC_CLASSES) == sorted(CODECS)
     assert type(CODEC_CLASSES["fp32"].build(256)) is FP32
 
 
 def test_spes_outer_step_on_the_shared_parameters_is_dilocos():
     d, w = [torch.tensor([-1.0]), torch.tensor([-0.5])], [0.5, 0.5]
-    nesterov = global_change("spes", d, w, shared_outer="nesterov")
+    nesterov = global_change("spes", d, w, None, "outer.shared=nesterov")
     diloco = global_change("diloco", d, w)
     assert nesterov[0].tolist() == diloco[0].tolist() and nesterov[1]["w"].tolist() == diloco[1]["w"].tolist()
     assert global_change("spes", d, w)[0].tolist() == [-0.75]  # the paper's mean
@@ -60,9 +61,7 @@ def test_merging_only_for_spes_when_due():
     assert s.merge_alpha(50, 8) == pytest.approx(0.05 * (1 - 50 / 200)) and s.merge_alpha(60, 8) == 0.0
     assert s.merge_alpha(200, 8) == 0.0 and s.merge_alpha(0, 8) == 0.0 and s.merge_alpha(50, 0) == 0.0
     assert method("fedavg").merge_alpha(50, 8) == 0.0
-    cfg = SpesConfig(num_nodes=2)
-    cfg.merge.enabled = False
-    assert sync_method(cfg).merge_alpha(50, 8) == 0.0
+    assert method("spes", "merge.enabled=false").merge_alpha(50, 8) == 0.0
 
 
 def test_the_merge_hook_takes_a_layers_tensors_in_any_order():
@@ -74,7 +73,7 @@ def test_the_merge_hook_takes_a_layers_tensors_in_any_order():
     assert torch.equal(a[gu], b[gu]) and torch.equal(a[dp], b[dp]) and not torch.equal(a[gu], g)
     with pytest.raises(ConfigError, match="gate_up_proj and down_proj"):
         s.merge({gu: g}, 0.5)
-    with pytest.raises(ConfigError, match=r"spes.merge.top_k \(4\)"):  # 4 experts, top_k 4: named, not a bare ValueError
+    with pytest.raises(ConfigError, match=r"merge.top_k \(4\)"):  # 4 experts, top_k 4: named, not a bare ValueError
         s.merge({gu: g[:4], dp: d[:4]}, 0.5)
 
 
@@ -129,7 +128,7 @@ def test_fedadam_is_torch_adam_on_the_pseudo_gradient_over_two_rounds():
     and step count are Adam's own bit for bit, and prev + changes tracks Adam run on the global itself."""
     torch.manual_seed(2)
     theta0 = torch.randn(64)
-    m = method("fedadam", outer_lr=0.01, outer_momentum=0.9, outer_beta2=0.99, outer_eps=1e-3)
+    m = method("fedadam", "outer.lr=0.01", "outer.momentum=0.9", "outer.beta2=0.99", "outer.eps=1e-3")
     ref = torch.nn.Parameter(theta0.clone())
     opt = torch.optim.Adam([ref], lr=0.01, betas=(0.9, 0.99), eps=1e-3, foreach=False)
     zero = torch.nn.Parameter(torch.zeros(64))

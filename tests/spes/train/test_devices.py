@@ -6,7 +6,7 @@ from spes.errors import DeviceError
 from spes.model.moe import TopKRouter
 from spes.model.transformer import CausalLM
 from spes.train.devices import resolve_device
-from spes.train.trainer import NodeTrainer
+from spes.train.trainer import Trainer
 from tests.conftest import tiny_config
 
 
@@ -43,7 +43,7 @@ def test_bf16_autocast_step_tracks_fp32_and_hands_out_fp32_on_cpu():
     for dtype in (None, "bfloat16"):
         m = CausalLM(tiny_config())
         m.load_canonical_state_dict(sd)
-        tr = NodeTrainer(m, [0, 1], OptimConfig(lr=1e-2, warmup_steps=1), 10, autocast_dtype=dtype)
+        tr = Trainer(m, [0, 1], OptimConfig(lr=1e-2, warmup_steps=1), 10, autocast_dtype=dtype)
         metrics = tr.train_step(x, x, 0)
         assert metrics.ce.ndim == 0 and metrics.ce.device == tr.device  # no host sync in the step
         losses[dtype] = float(metrics.ce)

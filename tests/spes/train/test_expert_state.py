@@ -5,7 +5,7 @@ import torch
 from spes.config.schema import OptimConfig
 from spes.model.transformer import CausalLM
 from spes.train.expert_state import chunk_state, expert_steps, parse_ranged, ranged_name, remap_rows
-from spes.train.trainer import NodeTrainer
+from spes.train.trainer import Trainer
 from tests.conftest import tiny_config
 
 NO_CLIP = OptimConfig(grad_clip=0.0, warmup_steps=1)  # clipping couples parameters through the global norm
@@ -14,7 +14,7 @@ NO_CLIP = OptimConfig(grad_clip=0.0, warmup_steps=1)  # clipping couples paramet
 def _trained(owned, steps=2, seed=0):
     torch.manual_seed(seed)
     model = CausalLM(tiny_config())
-    tr = NodeTrainer(model, owned, NO_CLIP, 10)
+    tr = Trainer(model, owned, NO_CLIP, 10)
     for i in range(steps):
         x = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(i))
         tr.train_step(x, x, i)
@@ -52,13 +52,13 @@ def test_a_node_that_keeps_one_expert_and_takes_over_another_trains_both_exactly
     state = tr.optimizer_tensors()
     x = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(7))
 
-    both = NodeTrainer(_clone(model), [1, 2], NO_CLIP, 10, expert_steps=expert_steps(state))
+    both = Trainer(_clone(model), [1, 2], NO_CLIP, 10, expert_steps=expert_steps(state))
     chunks = both.model.moe_layers()[0].experts.chunks
     assert [(c.start, c.end, c.trainable) for c in chunks] == [(0, 1, False), (1, 2, True), (2, 3, True), (3, 4, False)]
     both.load_optimizer_tensors(state)
-    keep = NodeTrainer(_clone(model), [1], NO_CLIP, 10)
+    keep = Trainer(_clone(model), [1], NO_CLIP, 10)
     keep.load_optimizer_tensors({k: v for k, v in state.items() if "experts" not in k or "[0:2]" in k})
-    fresh = NodeTrainer(_clone(model), [2], NO_CLIP, 10)
+    fresh = Trainer(_clone(model), [2], NO_CLIP, 10)
     for t in (both, keep, fresh):
         t.train_step(x, x, 2)
     got, want_keep, want_fresh = both.model.canonical_state_dict(), keep.model.canonical_state_dict(), \
@@ -72,7 +72,7 @@ def test_a_node_that_keeps_one_expert_and_takes_over_another_trains_both_exactly
     after = both.optimizer_tensors()
     assert expert_steps(after) == {1: 3.0, 2: 1.0}
     # saved and loaded again, the chunks and state come back as they were
-    again = NodeTrainer(_clone(both.model), [1, 2], NO_CLIP, 10, expert_steps=expert_steps(after))
+    again = Trainer(_clone(both.model), [1, 2], NO_CLIP, 10, expert_steps=expert_steps(after))
     again.load_optimizer_tensors(after)
     assert all(torch.equal(after[k], v) for k, v in again.optimizer_tensors().items())
 
@@ -85,7 +85,7 @@ def test_state_written_before_ranged_names_still_loads():
         legacy.update({f"{name}::exp_avg": st["exp_avg"].clone(), f"{name}::exp_avg_sq": st["exp_avg_sq"].clone(),
                        f"{name}::step": torch.as_tensor(st["step"], dtype=torch.float64).reshape(1)})
     assert any(".chunks." in k for k in legacy)
-    tr2 = NodeTrainer(CausalLM(tiny_config()), [2, 3], NO_CLIP, 10)
+    tr2 = Trainer(CausalLM(tiny_config()), [2, 3], NO_CLIP, 10)
     tr2.load_optimizer_tensors(legacy)
     assert all(torch.equal(tr.optimizer_tensors()[k], v) for k, v in tr2.optimizer_tensors().items())
 

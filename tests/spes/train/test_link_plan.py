@@ -35,19 +35,19 @@ def test_the_flops_of_a_token():
 
 def test_a_rounds_time_is_its_bytes_at_the_rate_plus_a_round_trip_per_file():
     p = tiny_params()
-    t = largest_node_traffic(p.model, p.spes, p.sync)
-    plan = link_plan(p.model, p.spes, p.sync, 1, 1e6, 0.04, tflops=1e-3, mfu=0.5)
+    t = largest_node_traffic(p)
+    plan = link_plan(p, 1, 1e6, 0.04, tflops=1e-3, mfu=0.5)
     assert plan["up_s"] == t.up_bytes * 8 / 1e6 + len(t.up) * 0.04
     assert plan["down_s"] == t.down_bytes * 8 / 1e6 + len(t.down) * 0.04
-    tokens = p.spes.batch_size * p.spes.seq_len * p.spes.sync_steps
-    assert plan["compute_s"] == tokens * train_flops_per_token(p.model, p.spes.seq_len) / (1e-3 * 1e12 * 0.5)
+    tokens = p.train.batch_size * p.train.seq_len * p.sync.every_steps
+    assert plan["compute_s"] == tokens * train_flops_per_token(p.model, p.train.seq_len) / (1e-3 * 1e12 * 0.5)
     assert plan["transfer_to_compute"] == plan["transfer_s"] / plan["compute_s"]
     assert plan["round_s_hidden"] == max(plan["compute_s"], plan["transfer_s"])
     # a storage side slower than all nodes together bounds each phase
-    slow = link_plan(p.model, p.spes, p.sync, 1, 1e6, 0.04, storage_bps=1e6, tflops=1e-3, mfu=0.5)
-    assert slow["up_s"] == p.spes.num_nodes * t.up_bytes * 8 / 1e6
+    slow = link_plan(p, 1, 1e6, 0.04, storage_bps=1e6, tflops=1e-3, mfu=0.5)
+    assert slow["up_s"] == p.sync.num_nodes * t.up_bytes * 8 / 1e6
     with pytest.raises(ConfigError, match="--mfu"):
-        link_plan(p.model, p.spes, p.sync, 1, 1e6, 0.04, mfu=1.5)
+        link_plan(p, 1, 1e6, 0.04, mfu=1.5)
 
 
 def test_the_planner_prices_a_preset_over_a_link():

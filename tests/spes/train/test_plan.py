@@ -1,10 +1,11 @@
 """The memory planner: exact parameter accounting, and activation estimates that match what autograd keeps."""
 import math
+from typing import Optional
 
 import pytest
 import torch
 
-from spes.config.schema import ModelConfig, SpesConfig
+from spes.config.schema import DenseConfig, EvalConfig, MergeConfig, ModelConfig, Params, SyncConfig, TrainConfig
 from spes.errors import ConfigError
 from spes.model.names import canonical_shapes
 from spes.model.transformer import CausalLM
@@ -20,13 +21,19 @@ from spes.train.plan import (
 from tests.conftest import tiny_config
 
 
+def _params(cfg: ModelConfig, sync: SyncConfig, train: Optional[TrainConfig] = None) -> Params:
+    """The planner's settings for model `cfg` (sequences that fit it, fewer merge donors than its experts)."""
+    return Params(model=cfg, sync=sync, train=train or TrainConfig(seq_len=32), merge=MergeConfig(top_k=1),
+                  dense=DenseConfig(seq_len=32), eval=EvalConfig(seq_len=32))
+
+
 def test_node_memory_counts_exactly():
     cfg = tiny_config()  # 4 experts of 3 x 32 x 16 weights per layer, 2 layers
     expert_params = 2 * 4 * 3 * 32 * 16
     total = sum(math.prod(s) for s in canonical_shapes(cfg).values())
-    full = node_memory(cfg, SpesConfig(method="fedavg", num_nodes=1))
+    full = node_memory(_params(cfg, SyncConfig(method="fedavg", num_nodes=1)))
     assert full["trainable_params"] == total and full["frozen_params"] == 0
-    node = node_memory(cfg, SpesConfig(num_nodes=2, frozen_dtype="bfloat16"), 1)
+    node = node_memory(_params(cfg, SyncConfig(num_nodes=2), TrainConfig(frozen_dtype="bfloat16", seq_len=32)), 1)
     assert node["frozen_params"] == expert_params // 2 and node["trainable_params"] == total - expert_params // 2
     assert node["weights_bytes"] == node["trainable_params"] * 4 + node["frozen_params"] * 2
     assert node["grads_bytes"] == node["trainable_params"] * 4 and node["optimizer_bytes"] == node["trainable_params"] * 8
@@ -68,12 +75,12 @@ def test_activation_estimate_matches_autograds_saved_tensors(changes, batch, seq
 
 def test_plan_of_a_node_and_its_report():
     cfg = tiny_config()
-    s = SpesConfig(num_nodes=2, batch_size=8, micro_batch_size=2, seq_len=32)
-    m = plan_node(cfg, s, 0)
+    s = _params(cfg, SyncConfig(num_nodes=2), TrainConfig(batch_size=8, micro_batch_size=2, seq_len=32))
+    m = plan_node(s, 0)
     assert m["micro_batch"] == 2 and m["peak_bytes"] == m["total_bytes"] + activation_bytes(cfg, 2, 32)
-    s.activation_checkpointing = "block"
-    assert plan_node(cfg, s, 0)["peak_bytes"] == m["total_bytes"] + m["activations_checkpointed_bytes"]
-    lines = report(cfg, s, 1, parse_bytes("1KiB"))
+    s.train.activation_checkpointing = "block"
+    assert plan_node(s, 0)["peak_bytes"] == m["total_bytes"] + m["activations_checkpointed_bytes"]
+    lines = report(s, 1, parse_bytes("1KiB"))
     assert len(lines) == 4 and lines[3].startswith("peak per GPU of the largest node: ddp plain loss") and lines[1].startswith("nodes 0-1: trainable") and "DOES NOT FIT in 0 GiB" in lines[1]
     assert "x training the whole model" in lines[1]
     assert parse_bytes("48GiB") == 48 * 2**30 and parse_bytes("80 GB") == 80 * 10**9
@@ -122,11 +129,11 @@ def test_every_preset_fits_a_48gib_gpu(preset, ranks, parallel):
 
 def test_fsdp_holds_a_share_of_the_node_plus_what_it_gathers():
     cfg = tiny_config(vocab_size=512)
-    s = SpesConfig(num_nodes=2, batch_size=8, micro_batch_size=2, seq_len=32)
-    ddp, fsdp = plan_node(cfg, s, 0, 2, "ddp"), plan_node(cfg, s, 0, 2, "fsdp")
+    s = _params(cfg, SyncConfig(num_nodes=2), TrainConfig(batch_size=8, micro_batch_size=2, seq_len=32))
+    ddp, fsdp = plan_node(s, 0, 2, "ddp"), plan_node(s, 0, 2, "fsdp")
     assert ddp["state_bytes"] == ddp["total_bytes"] + ddp["grads_bytes"]  # DDP's buckets: a second gradient
     assert fsdp["sharded_bytes"] == math.ceil(fsdp["total_bytes"] / 2)
-    u = unit_params(cfg, s, 0)
+    u = unit_params(s, 0)
     # root: embeddings, LM head, final norm; a block: attention, norms, router, its 4 experts (2 owned)
     assert u["root"] == (2 * 512 * 32 + 32, 0)
     expert = 3 * 32 * 16
@@ -135,7 +142,7 @@ def test_fsdp_holds_a_share_of_the_node_plus_what_it_gathers():
     gathered = u["root"][0] * (4 + 4) + 2 * sum(u["block"]) * 4  # root weights and gradient, two blocks (fp32)
     assert fsdp["gathered_bytes"] == gathered and fsdp["state_bytes"] == fsdp["sharded_bytes"] + gathered
     assert fsdp["activations_bytes"] == ddp["activations_bytes"] and fsdp["peak_bytes"] < ddp["peak_bytes"] * 2
-    assert plan_node(cfg, s, 0, 1, "fsdp")["parallel"] == "single"  # one rank: nothing to shard over
+    assert plan_node(s, 0, 1, "fsdp")["parallel"] == "single"  # one rank: nothing to shard over
 
 
 def test_the_lm_head_z_loss_is_counted_on_the_plain_path():
@@ -158,22 +165,21 @@ def test_a_capacity_plan_fits_every_node_and_balances_the_largest_count():
     from tests.conftest import ROOT
 
     p = load_params(os.path.join(ROOT, "params.yaml"))  # 8 experts per layer
-    cfg, s = p.model, p.spes
-    peak = {k: plan_owning(cfg, s, k)["peak_bytes"] for k in range(1, 9)}
+    peak = {k: plan_owning(p, k)["peak_bytes"] for k in range(1, 9)}
     assert all(peak[k] < peak[k + 1] for k in range(1, 8))  # owning more costs more
     # caps 1, 3 and 8 experts: the level where they hold all 8 is 4 -> 1, 3, 4
-    cp = capacity_plan(cfg, s, [peak[1], peak[3] + 1, 10 * peak[8]])
+    cp = capacity_plan(p, [peak[1], peak[3] + 1, 10 * peak[8]])
     assert cp["max_experts_per_node"] == [1, 3, 8] and cp["experts_per_node"] == [1, 3, 4]
     assert cp["ownership"] == [[0], [1, 2, 3], [4, 5, 6, 7]]
     assert all(b <= m for b, m in zip(cp["peak_bytes"], cp["memory_bytes"]))
     assert cp["peak_bytes"] == [peak[1], peak[3], peak[4]]
     # equal big nodes: an even split; the printed settings are a valid run
-    even = capacity_plan(cfg, s, [10 * peak[8]] * 2)
+    even = capacity_plan(p, [10 * peak[8]] * 2)
     assert even["experts_per_node"] == [4, 4]
     q = load_params(os.path.join(ROOT, "params.yaml"), cp["overrides"])
-    assert q.spes.num_nodes == 3 and q.spes.ownership == [[0], [1, 2, 3], [4, 5, 6, 7]]
+    assert q.sync.num_nodes == 3 and q.sync.ownership == [[0], [1, 2, 3], [4, 5, 6, 7]]
     assert json.loads(cp["overrides"][1].split("=", 1)[1]) == cp["ownership"]
     with pytest.raises(ConfigError, match=r"node 1 \(.*\): owning even one expert per layer needs"):
-        capacity_plan(cfg, s, [peak[8], peak[1] - 1])
+        capacity_plan(p, [peak[8], peak[1] - 1])
     with pytest.raises(ConfigError, match="hold at most 2 of the 8 experts"):
-        capacity_plan(cfg, s, [peak[1], peak[1]])
+        capacity_plan(p, [peak[1], peak[1]])

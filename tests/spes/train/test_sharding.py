@@ -7,7 +7,7 @@ import torch.multiprocessing as mp
 
 from spes.config.schema import OptimConfig
 from spes.model.transformer import CausalLM
-from spes.train.trainer import NodeTrainer
+from spes.train.trainer import Trainer
 from tests.conftest import tiny_config
 
 CFG = dict(vocab_size=96, tie_embeddings=False)
@@ -29,13 +29,13 @@ def _trainer(sd, parallel="ddp", lead=True):
     if parallel == "fsdp":
         with torch.device("meta"):
             model = CausalLM(tiny_config(**CFG))
-        tr = NodeTrainer(model, OWNED, OPTIM, 10, torch.bfloat16, parallel="fsdp", device=torch.device("cpu"))
+        tr = Trainer(model, OWNED, OPTIM, 10, torch.bfloat16, parallel="fsdp", device=torch.device("cpu"))
         tr.load_global(sd if lead else None)
         return tr
     model = CausalLM(tiny_config(**CFG))
     model.load_canonical_state_dict(sd)
     # micro-batches of a rank's share: the same load-balance groups as the 2 ranks
-    return NodeTrainer(model, OWNED, OPTIM, 10, torch.bfloat16, micro_batch_size=B // 2)
+    return Trainer(model, OWNED, OPTIM, 10, torch.bfloat16, micro_batch_size=B // 2)
 
 
 def _with_upload(sd, up):
@@ -148,12 +148,12 @@ def test_fsdp_needs_several_ranks_per_node(tmp_path):
     from spes.errors import ConfigError
 
     d = to_dict(Params())
-    d["spes"]["node_parallel"] = "fsdp"
-    with pytest.raises(ConfigError, match="spes.node_parallel is fsdp.*gpus_per_node is 1"):
+    d["train"]["node_parallel"] = "fsdp"
+    with pytest.raises(ConfigError, match="train.node_parallel is fsdp.*gpus_per_node is 1"):
         params_from_dict(d)
-    d["spes"]["node_parallel"] = "zero3"
-    with pytest.raises(ConfigError, match="spes.node_parallel must be one of ddp|fsdp"):
+    d["train"]["node_parallel"] = "zero3"
+    with pytest.raises(ConfigError, match="train.node_parallel must be one of ddp|fsdp"):
         params_from_dict(d)
-    d["spes"]["node_parallel"], d["orchestration"]["gpus_per_node"] = "fsdp", 2
-    assert params_from_dict(d).spes.node_parallel == "fsdp"
+    d["train"]["node_parallel"], d["orchestration"]["gpus_per_node"] = "fsdp", 2
+    assert params_from_dict(d).train.node_parallel == "fsdp"
 

@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from spes.config.schema import OptimConfig, SpesConfig
+from spes.config.schema import OptimConfig
 from spes.model.transformer import CausalLM
 from spes.train.schedule import lr_at
-from spes.train.trainer import NodeTrainer, build_node_trainer
-from tests.conftest import tiny_config
+from spes.train.trainer import Trainer, build_node_trainer
+from tests.conftest import tiny_config, tiny_params
 
 
 def _clone(sd):
@@ -16,7 +16,7 @@ def _clone(sd):
 def test_node_trainer_freezes_foreign_experts_and_uploads_only_its_own():
     torch.manual_seed(0)
     model = CausalLM(tiny_config())
-    tr = NodeTrainer(model, owned=[2, 3], optim=OptimConfig(lr=1e-2, warmup_steps=1), total_steps=10)
+    tr = Trainer(model, owned=[2, 3], optim=OptimConfig(lr=1e-2, warmup_steps=1), total_steps=10)
     before = _clone(model.canonical_state_dict())
     x = torch.randint(0, 96, (2, 12))
     tr.train_step(x, x, 0)
@@ -42,29 +42,30 @@ def test_node_trainer_freezes_foreign_experts_and_uploads_only_its_own():
 def test_frozen_experts_in_bf16_and_optimizer_state_roundtrip():
     torch.manual_seed(1)
     model = CausalLM(tiny_config())
-    tr = NodeTrainer(model, [0], OptimConfig(), 10, frozen_dtype=torch.bfloat16)
+    tr = Trainer(model, [0], OptimConfig(), 10, frozen_dtype=torch.bfloat16)
     chunks = model.moe_layers()[0].experts.chunks
     assert [c.gate_up_proj.dtype for c in chunks] == [torch.float32, torch.bfloat16]
     x = torch.randint(0, 96, (2, 8))
     tr.train_step(x, x, 0)
     state = tr.optimizer_tensors()
-    tr2 = NodeTrainer(CausalLM(tiny_config()), [0], OptimConfig(), 10)
+    tr2 = Trainer(CausalLM(tiny_config()), [0], OptimConfig(), 10)
     tr2.load_optimizer_tensors(state)
     assert all(torch.equal(state[k], v) for k, v in tr2.optimizer_tensors().items())
     no_norm = {k: v for k, v in state.items() if not k.startswith("model.norm.weight::")}
     with pytest.raises(ValueError, match=r"does not match .*missing \['model.norm.weight'\]"):
-        NodeTrainer(CausalLM(tiny_config()), [1, 2], OptimConfig(), 10).load_optimizer_tensors(no_norm)
+        Trainer(CausalLM(tiny_config()), [1, 2], OptimConfig(), 10).load_optimizer_tensors(no_norm)
 
 
 def test_build_node_trainer_follows_the_ownership_settings():
-    s = SpesConfig(num_nodes=2, frozen_dtype="bfloat16")
+    s = tiny_params()
+    s.train.frozen_dtype = "bfloat16"
     assert build_node_trainer(s, CausalLM(tiny_config()), 1).owned == (2, 3)
-    s.ownership = [[1], [0, 2, 3]]
-    tr = build_node_trainer(s, CausalLM(tiny_config()), 0)
+    s.sync.ownership = [[1], [0, 2, 3]]
+    tr = build_node_trainer(s.validate(), CausalLM(tiny_config()), 0)
     assert tr.owned == (1,)
     assert {c.gate_up_proj.dtype for c in tr.model.moe_layers()[0].experts.chunks if not c.trainable} == {torch.bfloat16}
-    s = SpesConfig(method="diloco", num_nodes=2)
-    assert build_node_trainer(s, CausalLM(tiny_config()), 1).owned == (0, 1, 2, 3)
+    s.sync.method, s.sync.ownership = "diloco", None
+    assert build_node_trainer(s.validate(), CausalLM(tiny_config()), 1).owned == (0, 1, 2, 3)
 
 
 def _pair(seed=3, **kw):
@@ -73,7 +74,7 @@ def _pair(seed=3, **kw):
     for _ in range(2):
         torch.manual_seed(seed)
         model = CausalLM(tiny_config())
-        out.append(NodeTrainer(model, [1, 2], OptimConfig(lr=1e-2, warmup_steps=1), 10, **kw))
+        out.append(Trainer(model, [1, 2], OptimConfig(lr=1e-2, warmup_steps=1), 10, **kw))
     g = torch.Generator().manual_seed(seed)
     return out, torch.randint(0, 96, (4, 12), generator=g), torch.randint(0, 96, (4, 12), generator=g)
 
@@ -146,21 +147,22 @@ def test_activation_checkpointing_gives_the_same_numbers():
 
 
 def test_build_node_trainer_applies_micro_batches_and_checkpointing():
-    s = SpesConfig(num_nodes=2, micro_batch_size=2, activation_checkpointing="block")
-    tr = build_node_trainer(s, CausalLM(tiny_config()), 0)
+    s = tiny_params()
+    s.train.micro_batch_size, s.train.activation_checkpointing = 2, "block"
+    tr = build_node_trainer(s.validate(), CausalLM(tiny_config()), 0)
     assert tr.micro_batch_size == 2 and tr.model.activation_checkpointing
 
 
 @pytest.mark.slow  # torch.compile of two blocks: minutes on a loaded 2-core machine
 def test_compiled_blocks_train_like_eager_and_replay_exactly():
-    """spes.compile: the compiled step tracks the eager one to rounding, and is itself deterministic, so a
+    """train.compile: the compiled step tracks the eager one to rounding, and is itself deterministic, so a
     resumed compiled node (a fresh compile of the same blocks) gives the same bits."""
-    s = SpesConfig(num_nodes=2, compile=True)
+    s = tiny_params()
     runs = []
     for compiled in (False, True, True):
         torch.manual_seed(6)
         model = CausalLM(tiny_config())
-        s.compile = compiled
+        s.train.compile = compiled
         tr = build_node_trainer(s, model, 0)
         x = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(6))
         runs.append([tr.train_step(x, x, step).ce.item() for step in range(2)] + [model.canonical_state_dict()])
@@ -170,13 +172,13 @@ def test_compiled_blocks_train_like_eager_and_replay_exactly():
 
 
 def test_state_bytes_counts_weights_gradients_and_adam_as_the_planner_does():
-    from spes.config.schema import SpesConfig
     from spes.train.plan import node_memory
 
     cfg = tiny_config()
-    s = SpesConfig(num_nodes=2, frozen_dtype="bfloat16")
+    s = tiny_params()
+    s.train.frozen_dtype = "bfloat16"
     tr = build_node_trainer(s, CausalLM(cfg), 1)
     x = torch.randint(0, 96, (2, 8))
     tr.train_step(x, x, 0)
-    plan = node_memory(cfg, s, 1)
+    plan = node_memory(s, 1)
     assert tr.state_bytes() == plan["total_bytes"]  # weights (frozen in bf16) + fp32 grads and two moments

@@ -17,7 +17,7 @@ else:
 
 from spes.config.schema import OptimConfig  # noqa: E402
 from spes.model.transformer import CausalLM
-from spes.train.trainer import NodeTrainer  # noqa: E402
+from spes.train.trainer import Trainer  # noqa: E402
 from tests.conftest import tiny_config  # noqa: E402
 
 
@@ -77,7 +77,7 @@ def test_spes_node_step_with_triton_experts_matches_loop():
     for impl in ("loop", "triton"):
         m = CausalLM(tiny_config(experts_impl=impl))
         m.load_canonical_state_dict(sd)
-        tr = NodeTrainer(m, [1, 2], OptimConfig(lr=1e-2, warmup_steps=1), 10)
+        tr = Trainer(m, [1, 2], OptimConfig(lr=1e-2, warmup_steps=1), 10)
         tr.train_step(x, x, 0)
         after[impl] = m.canonical_state_dict()
     for k in after["loop"]:
