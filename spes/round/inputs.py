@@ -97,9 +97,10 @@ def read_inputs(ctx: NodeContext, r: int, node: int, from_checkpoint: bool = Fal
     # its own experts' rows in the delta are the bytes it uploaded last: no need to download them back
     own_cached = {experts_file(node): (state.experts_sha256, state.experts_upload)} \
         if state is not None and state.experts_upload else None
-    prev, prev_sha = fetch_global(store, layout, r - 1, prev_manifest, ctx.codec, ctx.method, local.base(),
+    held = local.base()
+    prev, prev_sha = fetch_global(store, layout, r - 1, prev_manifest, ctx.codec, ctx.method, held,
                                   local.load_base, own_cached)
-    if local.base() != (r - 1, prev_sha) and local.save_base(r - 1, prev) != prev_sha:
+    if held != (r - 1, prev_sha) and local.save_base(r - 1, prev) != prev_sha:
         raise StorageError(f"node {node}: global {r - 1} as held here does not hash to the committed {prev_sha[:12]}")
     owned = tuple(membership.owners[node])
     if state is not None and state.owned is not None and state.owned != owned:

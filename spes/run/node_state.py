@@ -74,6 +74,7 @@ class NodeStateDir:
         self.path = os.path.join(os.path.expanduser(root), storage_key(storage_url), run_folder(run, run_id),
                                  f"node-{node:03d}")
         self.local = Store(self.path, retries=0)
+        self._base_manifest: Optional[dict] = None
 
     @staticmethod
     def state_rel(r: int) -> str:
@@ -105,7 +106,7 @@ class NodeStateDir:
         self._check_identity(manifest, where)
         if state_digest(manifest) != digest:
             return None
-        b = store.read_bundle(rel)
+        b = store.read_bundle(rel, manifest=manifest)  # the manifest just read and checked, not a second read
         owned = manifest["meta"].get("owned")
         return NodeState(manifest["meta"]["round"], int(manifest["meta"]["data_position"]), b.files[OPTIM_FILE],
                          b.files[RESIDUAL_FILE], b.files[EXPERTS_FILE], manifest["files"][EXPERTS_FILE]["sha256"],
@@ -189,15 +190,18 @@ class NodeStateDir:
 
     # -- the global model this node holds -------------------------------------------------------------
     def base(self) -> Optional[tuple[int, str]]:
-        """(round, sha256) of the global model held here, or None."""
+        """(round, sha256) of the global model held here, or None. Its manifest is kept for `load_base`."""
         try:
             m = self.local.read_manifest("base")
         except (NotCommitted, IntegrityError):
+            self._base_manifest = None
             return None
+        self._base_manifest = m
         return int(m["meta"]["round"]), m["files"][MODEL_FILE]["sha256"]
 
     def load_base(self) -> dict[str, torch.Tensor]:
-        return self.local.read_bundle("base").files[MODEL_FILE]
+        """The global model held here (its manifest as `base()` last read it; read now if it was not)."""
+        return self.local.read_bundle("base", manifest=self._base_manifest).files[MODEL_FILE]
 
     def save_base(self, r: int, model: dict[str, torch.Tensor]) -> str:
         """Keep global round r here; returns its file's sha256 (to compare with the committed one)."""

@@ -382,3 +382,27 @@ def test_a_node_times_its_download_and_its_upload_apart_from_its_compute(tmp_pat
     assert up.seconds_read + up.seconds_load + up.seconds_compute + up.seconds_upload < wall
     again = node_report(run.store.read_manifest(run.layout.node_dir(1, 0)), "x").upload
     assert (again.seconds_read, again.seconds_upload) == (up.seconds_read, up.seconds_upload)
+
+
+def test_a_node_reads_each_manifest_once_per_round(tmp_path, data, monkeypatch):
+    """The node's round reads every manifest it needs once: the run's info, global r-1, delta r-1 (shared
+    storage), the global it holds and its state (its own machine); the bundles read after them reuse them."""
+    from collections import Counter
+
+    p = make_params(tmp_path)
+    run = start(p)
+    reads: Counter = Counter()
+    read_manifest = Store.read_manifest
+
+    def counted(self, rel):
+        reads[(self.url, rel)] += 1
+        return read_manifest(self, rel)
+
+    monkeypatch.setattr(Store, "read_manifest", counted)
+    for r in (1, 2, 3):
+        reads.clear()
+        node_round(p, run.store, "r", r, 0, data)
+        assert reads and max(reads.values()) == 1, (r, reads)
+        node_round(p, run.store, "r", r, 1, data)
+        aggregate_round(p, run.store, "r", r)
+    assert {rel for _, rel in reads} >= {"base", "rounds/000002", "runs/r/rounds/000002/delta"}  # round 3's
