@@ -1,4 +1,4 @@
-"""Fixtures shared by the tests of several machines (test_many_machines, test_slow_link)."""
+"""Fixtures shared by the tests of several machines (test_many_machines: machines on loopback and over slow links)."""
 import os
 import signal
 import subprocess

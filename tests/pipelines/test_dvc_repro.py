@@ -75,16 +75,13 @@ def test_dvc_repro_end_to_end(tmp_path):
     assert json.load(open(proj / "artifacts/train/metrics.json"))["rounds_run_now"] == []
     assert (proj / "artifacts/train/summary.json").read_bytes() == before
     # re-tokenizing the same corpus, re-training the same dense model give the same bytes (timings live in
-    # timings.json, outside the outs the later stages read): every stage after them stays up to date
-    res = subprocess.run(dvc + ["repro", "-f", "-s", "tokenize", "dense"], cwd=proj, env=env, capture_output=True,
-                         text=True, timeout=300)
+    # timings.json, outside the outs the later stages read), and warmup forced after train committed later
+    # rounds still describes its own rounds: every stage after them stays up to date (one dvc call for the three)
+    res = subprocess.run(dvc + ["repro", "-f", "-s", "tokenize", "dense", "warmup"], cwd=proj, env=env,
+                         capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     status = subprocess.run(dvc + ["status", "--with-deps", "evaluate"], cwd=proj, env=env, capture_output=True, text=True, timeout=120)
     assert "up to date" in status.stdout, status.stdout
-    # warmup forced after train committed later rounds still describes its own rounds
-    warm = subprocess.run(dvc + ["repro", "-f", "-s", "warmup"], cwd=proj, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert warm.returncode == 0, warm.stdout[-3000:] + warm.stderr[-3000:]
     warm_metrics = json.load(open(proj / "artifacts/warmup/metrics.json"))
     assert warm_metrics["last_round"] == 1 and warm_metrics["rounds_recorded"] == 1
     assert not (proj / "artifacts/compare").exists()  # the main pipeline does not run the comparison
