@@ -21,6 +21,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--name", default="spes")
+    ap.add_argument("--poll-s", type=int, default=1,
+                    help="seconds between the runner's queries for new runs (Prefect's default is 10: a resume would "
+                         "wait up to that long to start)")
     ap.add_argument("--init", default=None,
                     help="initial model for a run not yet on storage (default: <artifacts_dir>/init/model.safetensors "
                          "if present); also checked against the run's fingerprint on resume")
@@ -32,7 +35,12 @@ def main() -> None:
         params["init_path"] = os.path.abspath(init)
     elif a.init:
         raise UsageError(f"--init {a.init!r} does not exist")
-    spes_training.serve(name=a.name, parameters=params)
+    if a.poll_s <= 0:
+        raise UsageError(f"--poll-s must be > 0, got {a.poll_s}")
+    from prefect.settings import PREFECT_RUNNER_POLL_FREQUENCY, temporary_settings
+
+    with temporary_settings({PREFECT_RUNNER_POLL_FREQUENCY: a.poll_s}):
+        spes_training.serve(name=a.name, parameters=params)
 
 
 if __name__ == "__main__":

@@ -60,8 +60,7 @@ def served(tmp_path_factory, tiny_tokens):
     api = f"http://127.0.0.1:{_free_port()}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(root / "prefect_home"), PREFECT_API_URL=api, PYTHONPATH=ROOT,
-               PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="false",
-               PREFECT_RUNNER_POLL_FREQUENCY="1")  # the served flow picks a run up within 1 s, not Prefect's 10 s
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="false")
     host, port = api.split("//")[1].split("/")[0].split(":")
     procs, logs = [], []
 
