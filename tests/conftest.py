@@ -1,5 +1,6 @@
 """Shared fixtures: one tiny model config, one tiny tokenized corpus per session, a real Prefect server."""
 import glob
+import json
 import os
 import sys
 import sysconfig
@@ -95,10 +96,26 @@ def tiny_tokens(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_reference(tmp_path_factory, tiny_tokens, prefect_server):
+def tiny_reference(tmp_path_factory, tiny_tokens, prefect_server, worker_id):
     """The tiny project's 3-round run (tests/pipelines/tiny_project.py), uninterrupted, once per session:
     what every resume and fault test must reproduce bit for bit. {'weights': final weights, 'sha': {round:
-    the global's sha256}}."""
+    the global's sha256}}. Under xdist the first worker that needs it runs it and the others read its result
+    (this run's shared temporary folder, under a file lock): the same bits, one run's CPU instead of two."""
+    from filelock import FileLock
+    from safetensors.torch import load_file, save_file
+
+    shared = _shared_folder(tmp_path_factory, worker_id)
+    weights, shas = shared / "tiny-reference.safetensors", shared / "tiny-reference.json"
+    with FileLock(str(shared / "tiny-reference.lock")):
+        if not shas.exists():
+            ref = _tiny_reference(tmp_path_factory, tiny_tokens)
+            save_file({k: v.clone() for k, v in ref["weights"].items()}, str(weights))
+            shas.write_text(json.dumps(ref["sha"]))
+            return ref
+    return {"weights": load_file(str(weights)), "sha": {int(r): s for r, s in json.loads(shas.read_text()).items()}}
+
+
+def _tiny_reference(tmp_path_factory, tiny_tokens) -> dict:
     from pipelines.training import spes_training
     from spes.config.loader import load_params
     from spes.run.layout import MODEL_FILE
@@ -116,10 +133,47 @@ def tiny_reference(tmp_path_factory, tiny_tokens, prefect_server):
     return {"weights": final_weights(pfile, "ref"), "sha": sha}
 
 
+def _shared_folder(tmp_path_factory, worker_id):
+    """This pytest run's folder that every xdist worker sees (each worker's own when there are none)."""
+    base = tmp_path_factory.getbasetemp()
+    return base if worker_id == "master" else base.parent
+
+
 @pytest.fixture(scope="session")
-def prefect_server(tmp_path_factory):
+def prefect_db(tmp_path_factory, worker_id) -> str:
+    """A Prefect database already migrated, made once per test run: a server started on a new PREFECT_HOME
+    spends about 6 s of CPU creating its tables, and these tests start a dozen of them."""
+    import sqlite3
+    import subprocess
+
+    from filelock import FileLock
+
+    shared = _shared_folder(tmp_path_factory, worker_id)
+    home, db = shared / "prefect-template", shared / "prefect-template" / "prefect.db"
+    with FileLock(str(shared / "prefect-template.lock")):
+        if not db.exists():
+            env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+            env.update(PREFECT_HOME=str(home), PYTHONPATH=ROOT, PREFECT_SERVER_ANALYTICS_ENABLED="false")
+            subprocess.run([sys.executable, "-c", "from pipelines.prefect_api import prefect_api\n"
+                            "with prefect_api(): pass"], env=env, check=True, timeout=300)
+            with sqlite3.connect(db) as conn:  # everything into the one file that is copied
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    return str(db)
+
+
+def prefect_home(path, prefect_db: str) -> str:
+    """`path` made a PREFECT_HOME holding a copy of the migrated database (see prefect_db)."""
+    import shutil
+
+    os.makedirs(path, exist_ok=True)
+    shutil.copyfile(prefect_db, os.path.join(path, "prefect.db"))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory, prefect_db):
     """A real (temporary, SQLite) Prefect server for the flow tests."""
-    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect_home"))
+    os.environ["PREFECT_HOME"] = prefect_home(tmp_path_factory.mktemp("prefect_home"), prefect_db)
     os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"
     os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
     from prefect.testing.utilities import prefect_test_harness

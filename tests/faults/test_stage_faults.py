@@ -18,15 +18,17 @@ from spes.model.transformer import CausalLM
 from spes.run.layout import MODEL_FILE
 from spes.run.run import Run
 from spes.storage.store import Store
+from tests.conftest import prefect_home
 from tests.pipelines.tiny_project import INIT_SEED, make_project
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory, tiny_tokens):
+def project(tmp_path_factory, tiny_tokens, prefect_db):
     root = tmp_path_factory.mktemp("faults")
     make_project(root, tiny_tokens)
+    prefect_home(root / "prefect_home", prefect_db)  # the stages' Prefect database, migrated already
     p = load_params(str(root / "params.yaml"))
     torch.manual_seed(INIT_SEED)
     model = CausalLM(p.model)

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from tests.conftest import prefect_home
 from tests.pipelines.test_deployment import _api, _free_port, _wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -13,7 +14,7 @@ CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AW
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, tiny_tokens):
+def cluster(tmp_path_factory, tiny_tokens, prefect_db):
     """A moto S3 server, a Prefect server, and the environment of each 'machine'."""
     from moto.server import ThreadedMotoServer
 
@@ -32,7 +33,7 @@ def cluster(tmp_path_factory, tiny_tokens):
     base.update(CREDS, PYTHONPATH=ROOT, PREFECT_API_URL=api, PREFECT_SERVER_ANALYTICS_ENABLED="false",
                 PREFECT_UI_ENABLED="false")
     procs = []
-    server_env = dict(base, PREFECT_HOME=str(root / "server-home"))
+    server_env = dict(base, PREFECT_HOME=prefect_home(root / "server-home", prefect_db))
     log = open(root / "server.log", "w")
     server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
                                api.split(":")[2].split("/")[0], "--no-ui"], env=server_env, stdout=log,

@@ -18,6 +18,7 @@ import pytest
 from spes.config.loader import load_params
 from spes.run.run import Run
 from spes.storage.store import Store
+from tests.conftest import prefect_home
 from tests.pipelines.tiny_project import assert_same, final_weights, init_run, make_project
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -53,13 +54,13 @@ def _wait_for(what: str, check, timeout_s: float, procs) -> None:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_tokens):
+def served(tmp_path_factory, tiny_tokens, prefect_db):
     """Prefect server + served training and node deployments, all on loopback, in their own process groups."""
     root = tmp_path_factory.mktemp("deploy")
     make_project(root, tiny_tokens)
     api = f"http://127.0.0.1:{_free_port()}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(root / "prefect_home"), PREFECT_API_URL=api, PYTHONPATH=ROOT,
+    env.update(PREFECT_HOME=prefect_home(root / "prefect_home", prefect_db), PREFECT_API_URL=api, PYTHONPATH=ROOT,
                PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="false")
     host, port = api.split("//")[1].split("/")[0].split(":")
     procs, logs = [], []

@@ -12,6 +12,8 @@ import sys
 import pytest
 import yaml
 
+from tests.conftest import prefect_home
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = {
     "model": {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 32, "num_layers": 1, "num_heads": 4,
@@ -33,7 +35,7 @@ def _merge(a, b):
 
 
 @pytest.mark.slow
-def test_dvc_repro_end_to_end(tmp_path):
+def test_dvc_repro_end_to_end(tmp_path, prefect_db):
     proj = tmp_path / "proj"
     proj.mkdir()
     for d in ("spes", "stages", "pipelines", "compare"):
@@ -44,7 +46,7 @@ def test_dvc_repro_end_to_end(tmp_path):
     params["compare"]["variants"] = TINY["compare"]["variants"]  # replaced, not merged
     params["compare"]["pairs"] = {"spes": "centralized"}  # params.yaml's names a variant the tiny matrix lacks
     (proj / "params.yaml").write_text(yaml.safe_dump(params))
-    env = dict(os.environ, PYTHONPATH=str(proj), PREFECT_HOME=str(tmp_path / "prefect"),
+    env = dict(os.environ, PYTHONPATH=str(proj), PREFECT_HOME=prefect_home(tmp_path / "prefect", prefect_db),
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     env.pop("PREFECT_API_URL", None)
     dvc = [sys.executable, "-m", "dvc"]
