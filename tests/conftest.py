@@ -1,6 +1,5 @@
 """Shared fixtures: one tiny model config, one tiny tokenized corpus per session, a real Prefect server."""
 import glob
-import json
 import os
 import sys
 import sysconfig
@@ -96,26 +95,10 @@ def tiny_tokens(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_reference(tmp_path_factory, tiny_tokens, prefect_server, worker_id):
+def tiny_reference(tmp_path_factory, tiny_tokens, prefect_server):
     """The tiny project's 3-round run (tests/pipelines/tiny_project.py), uninterrupted, once per session:
     what every resume and fault test must reproduce bit for bit. {'weights': final weights, 'sha': {round:
-    the global's sha256}}. Under xdist the first worker that needs it runs it and the others read its result
-    (this run's shared temporary folder, under a file lock): the same bits, one run's CPU instead of two."""
-    from filelock import FileLock
-    from safetensors.torch import load_file, save_file
-
-    shared = _shared_folder(tmp_path_factory, worker_id)
-    weights, shas = shared / "tiny-reference.safetensors", shared / "tiny-reference.json"
-    with FileLock(str(shared / "tiny-reference.lock")):
-        if not shas.exists():
-            ref = _tiny_reference(tmp_path_factory, tiny_tokens)
-            save_file({k: v.clone() for k, v in ref["weights"].items()}, str(weights))
-            shas.write_text(json.dumps(ref["sha"]))
-            return ref
-    return {"weights": load_file(str(weights)), "sha": {int(r): s for r, s in json.loads(shas.read_text()).items()}}
-
-
-def _tiny_reference(tmp_path_factory, tiny_tokens) -> dict:
+    the global's sha256}}."""
     from pipelines.training import spes_training
     from spes.config.loader import load_params
     from spes.run.layout import MODEL_FILE
