@@ -1,6 +1,7 @@
 """The run's TensorBoard events, read back with tensorboard's own reader, hold the round records' numbers at
 the run's token counts; a resume replaces the points of recomputed rounds instead of doubling them."""
 import struct
+import time
 
 from spes.config.schema import Params
 from spes.run.board import RunBoard, board_dir
@@ -70,6 +71,9 @@ def test_a_resume_replaces_the_recomputed_rounds_points(tmp_path):
     b.add(_record(1, {0: [5.0, 4.5]}, heldout=4.9))
     b.add(_record(2, {0: [4.2, 4.0]}, heldout=4.1))
     b.close()
+    # a resume is a later process: its event file's name has a later second. Within one second TensorBoard
+    # orders two files of one process by a writer counter compared as text ("10" before "9")
+    time.sleep(1.1)
     b = RunBoard(p, "r", 200)  # resumed after round 1 (200 tokens): round 2 recomputed, differently
     b.add(_record(2, {0: [4.25, 4.05]}, heldout=4.15))
     b.close()
