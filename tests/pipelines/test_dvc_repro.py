@@ -1,11 +1,12 @@
-"""The whole chain through real DVC and real (local) Prefect on a tiny config: tokenize -> dense ->
-upcycle -> warmup -> train -> evaluate; then a second `dvc repro` is a no-op, a forced re-run of a
-rounds stage reports the rounds already committed on storage, and the comparison pipeline
-(`dvc repro compare/dvc.yaml`) on two variants reports exactly what its runs measured."""
+"""The whole chain through real DVC and a real Prefect server (as a monitored user runs it) on a tiny
+config: tokenize -> dense -> upcycle -> warmup -> train -> evaluate; then a second `dvc repro` is a no-op,
+a forced re-run of a rounds stage reports the rounds already committed on storage, and the comparison
+pipeline (`dvc repro compare/dvc.yaml`) on two variants reports exactly what its runs measured."""
 import csv
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -34,8 +35,35 @@ def _merge(a, b):
     return a
 
 
+@pytest.fixture
+def prefect_server_for_stages(tmp_path, prefect_db):
+    """A `prefect server start` the stages report to, as in the README's monitored setup: one server for the
+    test's dozen stage processes instead of a temporary one each (about 3.5 s of CPU per stage). The
+    temporary server a stage starts without one is tested in tests/faults/test_stage_faults.py."""
+    from tests.pipelines.test_deployment import _api, _free_port, _wait_for
+
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=prefect_home(tmp_path / "server-home", prefect_db), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PREFECT_UI_ENABLED="false")
+    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
+                             str(port), "--no-ui"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    api = f"http://127.0.0.1:{port}/api"
+    try:
+        _wait_for("prefect server", lambda: _api(api, "/health") is True, 180, [proc])
+        yield api
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 @pytest.mark.slow
-def test_dvc_repro_end_to_end(tmp_path, prefect_db):
+def test_dvc_repro_end_to_end(tmp_path, prefect_db, prefect_server_for_stages):
     proj = tmp_path / "proj"
     proj.mkdir()
     for d in ("spes", "stages", "pipelines", "compare"):
@@ -48,7 +76,7 @@ def test_dvc_repro_end_to_end(tmp_path, prefect_db):
     (proj / "params.yaml").write_text(yaml.safe_dump(params))
     env = dict(os.environ, PYTHONPATH=str(proj), PREFECT_HOME=prefect_home(tmp_path / "prefect", prefect_db),
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    env.pop("PREFECT_API_URL", None)
+    env["PREFECT_API_URL"] = prefect_server_for_stages
     dvc = [sys.executable, "-m", "dvc"]
     for cmd in (["git", "init", "-q"], dvc + ["init", "-q"], dvc + ["config", "core.analytics", "false"]):
         subprocess.run(cmd, cwd=proj, env=env, check=True)
