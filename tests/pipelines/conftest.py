@@ -1,11 +1,11 @@
 """Fixtures shared by the tests of several machines (test_many_machines: machines on loopback and over slow links)."""
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
 
+from bench.cleanup import stop_process_group
 from tests.conftest import prefect_home
 from tests.pipelines.test_deployment import _api, _free_port, _wait_for
 
@@ -55,11 +55,7 @@ def cluster(tmp_path_factory, tiny_tokens, prefect_db):
     finally:
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
+                stop_process_group(p, 10)
         log.close()
         s3.stop()
 

@@ -6,13 +6,13 @@ import csv
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 
 import pytest
 import yaml
 
+from bench.cleanup import stop_process_group
 from tests.conftest import prefect_home
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -54,12 +54,7 @@ def prefect_server_for_stages(tmp_path, prefect_db):
         _wait_for("prefect server", lambda: _api(api, "/health") is True, 180, [proc])
         yield api
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_process_group(proc, 10)
 
 
 @pytest.mark.slow
