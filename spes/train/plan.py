@@ -38,11 +38,13 @@ F32, I64 = 4, 8
 
 
 def on_nodes(p: Params, method: str, num_nodes: int, ownership: Optional[list[list[int]]] = None) -> Params:
-    """`p` trained by another method on another number of nodes (what a plan sets the run against). The run's
-    membership settings (quorum, planned joins and leaves), written for its own node count and not part of
-    any memory plan, are left out."""
+    """`p` trained by another method on another number of nodes (what a plan sets the run against). What was
+    written for the run's own method and node count and is no part of a node's memory is left out: the
+    membership settings (quorum, planned joins and leaves) and the outer step (the aggregator's; SPES's
+    `outer.shared: nesterov` is refused for the baselines)."""
     return dataclasses.replace(
         p, sync=dataclasses.replace(p.sync, method=method, num_nodes=num_nodes, ownership=ownership),
+        outer=dataclasses.replace(p.outer, shared="average"),
         orchestration=dataclasses.replace(p.orchestration, min_nodes=None, membership_plan=[], evict_after_rounds=0))
 
 
