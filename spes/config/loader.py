@@ -40,15 +40,16 @@ def _to_params(*configs: Any, where: str = "") -> Params:
     return params
 
 
-def _did_you_mean(key: str) -> str:
-    """'; did you mean sync.num_nodes?' for a key that is not in the schema but close to one that is."""
+def _did_you_mean(key: str, spelled=lambda k: k) -> str:
+    """'; did you mean sync.num_nodes?' for a key that is not in the schema but close to one that is, as
+    `spelled` writes the schema's keys (a former key is set against the keys' former names)."""
     import difflib
 
-    known = [k for k in flatten(to_dict(Params())) if not k.startswith("compare.variants")]
+    known = {spelled(k): k for k in flatten(to_dict(Params())) if not k.startswith("compare.variants")}
     if key in known:
         return ""
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
-    return f"; did you mean {close[0]}?" if close else ""
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.75)
+    return f"; did you mean {known[close[0]]}?" if close else ""
 
 
 def load_params(path: str = "params.yaml", overrides: Optional[list[str]] = None) -> Params:
@@ -75,14 +76,9 @@ def _refuse_former_keys(cfg: Any, where: str) -> None:
         if new is not None:
             raise ConfigError(f"{where}{key} is now {new} (the spes section was split into "
                               f"{', '.join(SPLIT_SECTIONS)})")
-    import difflib
-
     key = next(iter(flatten(spes, "spes."))) if spes else "spes"
-    former = [k for k in flatten(to_dict(Params())) if k.split(".")[0] in SPLIT_SECTIONS]
-    close = difflib.get_close_matches(key, [former_name(k) for k in former], n=1, cutoff=0.75)
-    hint = f"; did you mean {new_name(close[0])}?" if close else ""
     raise ConfigError(f"{where}the spes section was split into {', '.join(SPLIT_SECTIONS)}; "
-                      f"{key} is not a setting of any of them{hint}")
+                      f"{key} is not a setting of any of them{_did_you_mean(key, former_name)}")
 
 
 def _load_with_includes(path: str, seen: tuple[str, ...]) -> list:
