@@ -48,10 +48,9 @@ CASES = [
 SEQ, NODES, STEPS = 512, 4, 3
 
 CHILD = """
-import json, os, sys, torch
+import dataclasses, json, os, sys, torch
 sys.path.insert(0, {root!r})
 from spes.config.loader import params_from_dict
-from spes.config.schema import ModelConfig
 from spes.train.trainer import build_node_trainer
 from spes.model.transformer import CausalLM
 def status(key):
@@ -62,17 +61,16 @@ if ranks > 1:
     import torch.distributed as dist
     dist.init_process_group('gloo')
 rank = int(os.environ.get('RANK', '0'))
-cfg = ModelConfig(**json.loads({cfg!r}))
 p = params_from_dict(json.loads({params!r}))
-s = p.train
+cfg, s = p.model, p.train
 cuda = torch.cuda.is_available()
 dev = torch.device('cuda', int(os.environ.get('LOCAL_RANK', '0'))) if cuda else torch.device('cpu')
 torch.manual_seed(0)
 x = torch.randint(0, cfg.vocab_size, (s.batch_size, s.seq_len))
 share = slice(rank * s.batch_size // ranks, (rank + 1) * s.batch_size // ranks)
 torch.set_num_threads(2)
-warm = ModelConfig(**{{**json.loads({cfg!r}), "num_layers": 1, "hidden_size": 64, "intermediate_size": 64,
-                      "num_heads": 2, "num_kv_heads": 2, "vocab_size": 64}})  # thread pools etc. before measuring
+warm = dataclasses.replace(cfg, num_layers=1, hidden_size=64, intermediate_size=64, num_heads=2, num_kv_heads=2,
+                           vocab_size=64)  # thread pools etc. before measuring
 w = build_node_trainer(p, CausalLM(warm).to(dev), 0)
 w.train_step(x[share, :16] % 64, x[share, :16] % 64, 0)
 del w
@@ -104,9 +102,9 @@ if ranks > 1:
 """
 
 
-def measure(cfg: dict, p: Params) -> dict:
+def measure(p: Params) -> dict:
     ranks = p.orchestration.gpus_per_node
-    code = CHILD.format(root=ROOT, cfg=json.dumps(cfg), params=json.dumps(to_dict(p)), steps=STEPS)
+    code = CHILD.format(root=ROOT, params=json.dumps(to_dict(p)), steps=STEPS)
     # glibc keeps freed heap memory resident and raises its mmap threshold as it goes: a fixed threshold
     # makes the resident set follow what torch really holds
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
@@ -139,7 +137,7 @@ def main():
         p = Params(model=ModelConfig(**{**cfg, "max_seq_len": SEQ}), sync=SyncConfig(num_nodes=NODES), train=s,
                    orchestration=OrchestrationConfig(gpus_per_node=ranks))
         plan = plan_node(p, 0, ranks)
-        got = measure({**cfg, "max_seq_len": SEQ}, p)
+        got = measure(p)
         rows.append({"case": name, "micro_batch": s.micro_batch_size, "checkpointing": ckpt, "ranks": ranks,
                      "parallel": plan["parallel"], "planned": plan["peak_bytes"], "measured": got["peak"],
                      "ratio": plan["peak_bytes"] / got["peak"], "device": got["device"]})
