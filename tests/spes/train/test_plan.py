@@ -1,11 +1,12 @@
 """The memory planner: exact parameter accounting, and activation estimates that match what autograd keeps."""
+import dataclasses
 import math
 from typing import Optional
 
 import pytest
 import torch
 
-from spes.config.schema import DenseConfig, EvalConfig, MergeConfig, ModelConfig, Params, SyncConfig, TrainConfig
+from spes.config.schema import ModelConfig, Params, SyncConfig, TrainConfig
 from spes.errors import ConfigError
 from spes.model.names import canonical_shapes
 from spes.model.transformer import CausalLM
@@ -18,13 +19,13 @@ from spes.train.plan import (
     saved_activation_bytes,
     unit_params,
 )
-from tests.conftest import tiny_config
+from tests.conftest import tiny_config, tiny_params
 
 
 def _params(cfg: ModelConfig, sync: SyncConfig, train: Optional[TrainConfig] = None) -> Params:
-    """The planner's settings for model `cfg` (sequences that fit it, fewer merge donors than its experts)."""
-    return Params(model=cfg, sync=sync, train=train or TrainConfig(seq_len=32), merge=MergeConfig(top_k=1),
-                  dense=DenseConfig(seq_len=32), eval=EvalConfig(seq_len=32))
+    """The tiny settings (tests/conftest.py: tiny_params, sequences of 32) with model `cfg`, `sync` and `train`."""
+    p = tiny_params(32)
+    return dataclasses.replace(p, model=cfg, sync=sync, train=train or p.train)
 
 
 def test_node_memory_counts_exactly():
