@@ -1,13 +1,11 @@
 """Fixtures shared by the tests of several machines (test_many_machines: machines on loopback and over slow links)."""
 import os
-import subprocess
-import sys
 
 import pytest
 
 from bench.cleanup import stop_process_group
 from tests.conftest import prefect_home
-from tests.pipelines.test_deployment import _api, _free_port, _wait_for
+from tests.pipelines.test_deployment import _free_port, start_prefect_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -35,12 +33,8 @@ def cluster(tmp_path_factory, tiny_tokens, prefect_db):
     procs = []
     server_env = dict(base, PREFECT_HOME=prefect_home(root / "server-home", prefect_db))
     log = open(root / "server.log", "w")
-    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
-                               api.split(":")[2].split("/")[0], "--no-ui"], env=server_env, stdout=log,
-                              stderr=subprocess.STDOUT, start_new_session=True)
-    procs.append(server)
     try:
-        _wait_for("prefect server", lambda: _api(api, "/health") is True, 180, procs)
+        start_prefect_server(api, server_env, log, procs)
         # the orchestrator's folder: the token shards (it publishes them to S3) and its params; nodes have nothing
         orch = root / "orchestrator"
         (orch / "artifacts").mkdir(parents=True)

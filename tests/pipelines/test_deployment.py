@@ -38,6 +38,16 @@ def _api(url: str, path: str, body=None):
         return json.loads(r.read())
 
 
+def start_prefect_server(api: str, env: dict, log, procs: list) -> None:
+    """`prefect server start` on `api`'s loopback port, in its own process group (appended to `procs`, which
+    the caller stops), once it answers."""
+    port = api.split(":")[2].split("/")[0]
+    procs.append(subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
+                                   port, "--no-ui"], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True))
+    _wait_for("prefect server", lambda: _api(api, "/health") is True, 180, procs)
+
+
 def _wait_for(what: str, check, timeout_s: float, procs) -> None:
     deadline = time.time() + timeout_s
     while time.time() < deadline:

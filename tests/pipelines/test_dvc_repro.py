@@ -40,21 +40,18 @@ def prefect_server_for_stages(tmp_path, prefect_db):
     """A `prefect server start` the stages report to, as in the README's monitored setup: one server for the
     test's dozen stage processes instead of a temporary one each (about 3.5 s of CPU per stage). The
     temporary server a stage starts without one is tested in tests/faults/test_stage_faults.py."""
-    from tests.pipelines.test_deployment import _api, _free_port, _wait_for
+    from tests.pipelines.test_deployment import _free_port, start_prefect_server
 
-    port = _free_port()
+    api, procs = f"http://127.0.0.1:{_free_port()}/api", []
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=prefect_home(tmp_path / "server-home", prefect_db), PREFECT_SERVER_ANALYTICS_ENABLED="false",
                PREFECT_UI_ENABLED="false")
-    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
-                             str(port), "--no-ui"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    api = f"http://127.0.0.1:{port}/api"
     try:
-        _wait_for("prefect server", lambda: _api(api, "/health") is True, 180, [proc])
+        start_prefect_server(api, env, subprocess.DEVNULL, procs)
         yield api
     finally:
-        stop_process_group(proc, 10)
+        for proc in procs:
+            stop_process_group(proc, 10)
 
 
 @pytest.mark.slow
