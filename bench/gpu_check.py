@@ -210,6 +210,7 @@ def check_chunked_loss(a, dev) -> dict:
 def check_planner(a, dev) -> dict:
     from spes.config.loader import load_params
     from spes.train.plan import plan_node
+    from spes.train.planned_nodes import planned_nodes
     from spes.train.trainer import build_node_trainer
 
     p = load_params(os.path.join(ROOT, "configs", "spes-1b.yaml"))
@@ -226,7 +227,7 @@ def check_planner(a, dev) -> dict:
 
         def run():
             torch.manual_seed(0)
-            tr = build_node_trainer(s2, CausalLM(cfg).to(dev), 0)
+            tr = build_node_trainer(s2, CausalLM(cfg).to(dev), planned_nodes(s2).owned[0])
             for step in range(2):
                 tr.train_step(x, x, step)
             return tr
@@ -245,6 +246,7 @@ def check_node_round(a, dev) -> dict:
 
     from spes.data.tokenization import tokenize_corpus
     from spes.data.tokens import TokenData
+    from spes.round.context import RoundContext
     from spes.round.node import node_round
     from spes.run.identity import InitModel, settings_fingerprint
     from spes.run.run import Run
@@ -274,7 +276,7 @@ def check_node_round(a, dev) -> dict:
         run = Run(store, "r")
         run.ensure(settings_fingerprint(p), InitModel.from_state(init, cfg, "gpu-check"))
         t = time.perf_counter()
-        report = node_round(p, store, "r", 1, 0, data)
+        report = node_round(RoundContext.build(p, "r", store), 1, 0, data)
         files = store.read_bundle(run.layout.node_dir(1, 0)).files
         out[key] = {"losses": report.upload.losses, "files": files, "seconds": time.perf_counter() - t,
                       "device": report.upload.device}

@@ -71,7 +71,7 @@ share = slice(rank * s.batch_size // ranks, (rank + 1) * s.batch_size // ranks)
 torch.set_num_threads(2)
 warm = dataclasses.replace(cfg, num_layers=1, hidden_size=64, intermediate_size=64, num_heads=2, num_kv_heads=2,
                            vocab_size=64)  # thread pools etc. before measuring
-w = build_node_trainer(p, CausalLM(warm).to(dev), 0)
+w = build_node_trainer(p, CausalLM(warm).to(dev), planned_nodes(p).owned[0])
 w.train_step(x[share, :16] % 64, x[share, :16] % 64, 0)
 del w
 if cuda:
@@ -83,11 +83,11 @@ else:
 if s.node_parallel == 'fsdp' and ranks > 1:
     with torch.device('meta'):
         model = CausalLM(cfg)
-    tr = build_node_trainer(p, model, 0, dev)
+    tr = build_node_trainer(p, model, planned_nodes(p).owned[0], dev)
     for w in model.parameters():  # values do not matter here, only that they are finite
         torch.nn.init.normal_(w.to_local(), std=0.02)
 else:
-    tr = build_node_trainer(p, CausalLM(cfg).to(dev), 0)
+    tr = build_node_trainer(p, CausalLM(cfg).to(dev), planned_nodes(p).owned[0])
 for step in range({steps}):
     tr.train_step(x[share], x[share], step)
 peak = torch.cuda.max_memory_allocated() - base if cuda else status('VmHWM') - base

@@ -39,6 +39,7 @@ from spes.data.shards import ShardWriter  # noqa: E402
 from spes.data.tokens import TokenData, write_index  # noqa: E402
 from spes.model.transformer import CausalLM  # noqa: E402
 from spes.round.aggregator import Aggregator  # noqa: E402
+from spes.round.context import RoundContext
 from spes.round.driver import run_round  # noqa: E402
 from spes.round.node import node_round  # noqa: E402
 from spes.run.identity import InitModel, settings_fingerprint  # noqa: E402
@@ -81,14 +82,15 @@ def run_variant(a, root: str, data: TokenData, method: str, codec: str, after_ro
     run.ensure(settings_fingerprint(p), InitModel.from_state(CausalLM(p.model).canonical_state_dict(), p.model, "bench"))
     model_bytes = store.read_manifest(run.layout.global_dir(0))["files"][MODEL_FILE]["bytes"]
     rows, extra, size, written = {}, {}, {}, {}
-    agg = Aggregator(p, store, "bench")
+    flow = RoundContext.build(p, "bench", store, writer=True)  # the flow's: the driver and the aggregator share it
+    agg = Aggregator(flow)
     for r in range(1, rounds + 1):
         w0 = store.bytes_written
-        def run_nodes(nodes, checkpoint, r=r):
-            return {i: node_round(p, store, "bench", r, i, data, checkpoint=checkpoint) for i in nodes}
+        def run_nodes(nodes, checkpoint, r=r):  # each node with a context of its own, as a node process
+            return {i: node_round(RoundContext.build(p, "bench", store), r, i, data, checkpoint=checkpoint) for i in nodes}
 
         # the real round (spes/round/driver.py): nodes, aggregation, record, retention; no held-out probe
-        rec = run_round(p, run, r, run_nodes, lambda rerun, r=r: agg.aggregate(r, rerun_rejected=rerun),
+        rec = run_round(flow, r, run_nodes, lambda rerun, r=r: agg.aggregate(r, rerun_rejected=rerun),
                         checkpoint=(r % 3 == 0))
         rows[r] = rec.nodes
         written[r] = store.bytes_written - w0
@@ -115,7 +117,7 @@ def time_aggregation(p: Params, store: Store, repeats: int, warm: bool) -> tuple
         # recompute global 2 from the same committed uploads (set its commits aside, restore after)
         for rel in (layout.global_dir(2), layout.delta_dir(2)):
             store.move(rel, rel + ".saved")
-        aggregator = Aggregator(p, store, "bench")
+        aggregator = Aggregator(RoundContext.build(p, "bench", store))
         if warm:
             aggregator.hold(1)  # untimed: what the flow holds after committing round 1
         r0, w0 = store.bytes_read, store.bytes_written
@@ -148,6 +150,7 @@ PEAK_SNIPPET = """
 import json, sys
 sys.path.insert(0, {root!r})
 from spes.round.aggregator import aggregate_round
+from spes.round.context import RoundContext
 from spes.config.loader import params_from_dict
 from spes.storage.store import Store
 def status(key):
@@ -161,7 +164,7 @@ for rel in (layout + '/global', layout + '/delta'):
     store.move(rel, rel + '.peak')
 open('/proc/self/clear_refs', 'w').write('5')  # reset the high-water mark to the current RSS
 before = status('VmRSS')
-aggregate_round(p, store, 'bench', 2)
+aggregate_round(RoundContext.build(p, 'bench', store), 2)
 print(status('VmHWM') - before)
 for rel in (layout + '/global', layout + '/delta'):
     store.remove(rel)

@@ -24,13 +24,12 @@ from pipelines.round_progress import RoundProgress
 from spes.config.loader import to_dict
 from spes.config.schema import Params
 from spes.errors import NodeFailed
+from spes.round.context import RoundContext
 from spes.round.node import committed_report
 from spes.round.progress_line import progress_of
 from spes.run.heartbeat import HeartbeatWatch
 from spes.run.records import NodeReport
 from spes.run.run import Run
-from spes.storage.store import Store
-from spes.sync.methods import sync_method
 
 log = stopping.log
 
@@ -56,15 +55,15 @@ def node_deployment(template: str, node) -> str:
     return template.replace("{node}", str(node))
 
 
-def run_on_deployment(p: Params, run: str, r: int, node: int, timeout_s: float, checkpoint: bool,
+def run_on_deployment(ctx: RoundContext, r: int, node: int, timeout_s: float, checkpoint: bool,
                       tokens_key: Optional[str]) -> tuple[str, Optional[NodeReport]]:
     """Node `node`'s round as a flow run of its deployment; after its machine was lost (this round, or it moved
     earlier), on the spare deployment: with its state from shared storage (the checkpoint its global names,
     else its latest checkpoint: an older optimizer state and data position, and the run says so)."""
+    p, run, store_run = ctx.p, ctx.name, ctx.run
     target, from_checkpoint = None, False
     if p.orchestration.spare_deployment and (run, r, node) in _LOST:
         target = p.orchestration.spare_deployment
-        store_run = Run(Store.from_config(p.storage), run)
         ref = store_run.global_meta(r - 1).node_states.get(node)
         from_checkpoint = ref is not None and not ref.checkpoint
         if from_checkpoint:
@@ -78,7 +77,7 @@ def run_on_deployment(p: Params, run: str, r: int, node: int, timeout_s: float, 
     elif (run, node) in _MOVED:  # its state is on the spare now
         target = p.orchestration.spare_deployment
     try:
-        status, report = _run_flow_run(p, run, r, node, timeout_s, checkpoint, tokens_key, target, from_checkpoint)
+        status, report = _run_flow_run(ctx, r, node, timeout_s, checkpoint, tokens_key, target, from_checkpoint)
     except NodeLost:
         _LOST.add((run, r, node))
         _MOVED.discard((run, node))  # a lost spare: its own machine first again
@@ -88,7 +87,7 @@ def run_on_deployment(p: Params, run: str, r: int, node: int, timeout_s: float, 
     return status, report
 
 
-def _run_flow_run(p: Params, run: str, r: int, node: int, timeout_s: float, checkpoint: bool,
+def _run_flow_run(ctx: RoundContext, r: int, node: int, timeout_s: float, checkpoint: bool,
                          tokens_key: Optional[str], target: Optional[str] = None,
                          from_checkpoint: bool = False) -> tuple[str, Optional[NodeReport]]:
     """Real clusters: the node runs as a flow run of its deployment, served by the machine that holds it (see
@@ -99,9 +98,9 @@ def _run_flow_run(p: Params, run: str, r: int, node: int, timeout_s: float, chec
     from prefect.client.orchestration import get_client
     from prefect.runtime import task_run
 
+    p, run, store = ctx.p, ctx.name, ctx.store
     o = p.orchestration
     name = target or node_deployment(o.node_deployment, node)
-    store = Store.from_config(p.storage)
     params = NodeRequest(to_dict(p), run, r, node, checkpoint, tokens_key,
                          from_checkpoint=from_checkpoint).deployment_parameters()
     with get_client(sync_client=True) as client:
@@ -141,7 +140,7 @@ def _run_flow_run(p: Params, run: str, r: int, node: int, timeout_s: float, chec
                 time.sleep(POLL_S)
         finally:
             stopping.unregister(fr.id)
-    return "ok", _final_report(store, run, r, node, state)
+    return "ok", _final_report(ctx.run, r, node, state)
 
 
 def _log_waiting(node: int, r: int, name: str, state, waited_s: float, lost_after_s: float) -> bool:
@@ -152,12 +151,12 @@ def _log_waiting(node: int, r: int, name: str, state, waited_s: float, lost_afte
     return True
 
 
-def _final_report(store: Store, run: str, r: int, node: int, state) -> NodeReport:
+def _final_report(run: Run, r: int, node: int, state) -> NodeReport:
     """The node's committed report once its flow run ended: NodeFailed with the node's own error otherwise."""
     if not state.is_completed():
         why = f": {state.message}" if state.message else ""  # the node's own error, as its flow run reported it
         raise NodeFailed(f"node {node} round {r}: deployment run ended {state.name}{why}")
-    report = committed_report(store, run, r, node)
+    report = committed_report(run, r, node)
     if report is None:
         raise NodeFailed(f"node {node} round {r}: its deployment run completed but no upload is committed")
     return report
@@ -187,10 +186,10 @@ def _state_of(flow_run_id):
         return None
 
 
-def check_node_deployments(p: Params, nodes=None) -> None:
+def check_node_deployments(p: Params, nodes) -> None:
     """Before any round (executor deployment): a Prefect API the node machines can reach, and each node's
     deployment there with a live runner; one line naming what is missing. `nodes`: the run's current members
-    (default: the initial plan's)."""
+    (the initial plan's before round 1)."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
@@ -199,7 +198,6 @@ def check_node_deployments(p: Params, nodes=None) -> None:
                          "reach this process's temporary Prefect server; start one (prefect server start --host "
                          "0.0.0.0) and export PREFECT_API_URL=http://<this machine>:4200/api here and on every "
                          "node machine", retryable=False)
-    nodes = range(sync_method(p).nodes) if nodes is None else nodes
     names = sorted({node_deployment(p.orchestration.node_deployment, i) for i in nodes})
     missing, idle = [], []
     with get_client(sync_client=True) as client:

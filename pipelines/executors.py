@@ -28,15 +28,13 @@ from spes.config.loader import to_dict
 from spes.config.schema import Params
 from spes.data.tokens import TokenData, check_vocab
 from spes.errors import IntegrityError, OrchestrationError, RecordError
+from spes.round.context import RoundContext
 from spes.round.driver import round_members
 from spes.run.layout import tokens_dir
 from spes.run.local_runs import node_state_root
 from spes.run.node_state import NodeStateDir
 from spes.run.records import NodeReport, StateRef
-from spes.run.run import Run
 from spes.run.token_share import publish_tokens
-from spes.storage.store import Store
-from spes.sync.methods import sync_method
 
 
 class NodeExecutor(ABC):
@@ -48,25 +46,26 @@ class NodeExecutor(ABC):
     def preflight(self, p: Params) -> None:
         """At the stage's start, before the Prefect server or any node: what is wrong with the settings."""
 
-    def prepare(self, p: Params, run: Run) -> None:
+    def prepare(self, ctx: RoundContext) -> None:
         """Before the run's lease and its first round: the nodes can be reached."""
 
-    def start(self, p: Params) -> None:
+    def start(self, ctx: RoundContext) -> None:
         """Start what the nodes need ahead of their first round (overlapping the flow's own setup)."""
 
-    def share_tokens(self, p: Params, store: Store) -> Optional[str]:
+    def share_tokens(self, ctx: RoundContext) -> Optional[str]:
         """Make the token shards reachable by the nodes; the key nodes fetch them by, or None (read here)."""
         return None
 
-    def local_state_checker(self, p: Params, run: Run) -> Optional[Callable[[int, StateRef], bool]]:
+    def local_state_checker(self, ctx: RoundContext) -> Optional[Callable[[int, StateRef], bool]]:
         """Whether node i's state `ref` is held where it runs, when the orchestrator can see that (None: it
         cannot; a resume then trusts only the states checkpointed on shared storage)."""
         return None
 
     @abstractmethod
-    def run_node(self, p: Params, run: str, r: int, node: int, timeout_s: float, checkpoint: bool,
+    def run_node(self, ctx: RoundContext, r: int, node: int, timeout_s: float, checkpoint: bool,
                  tokens_key: Optional[str]) -> tuple[str, Optional[NodeReport]]:
-        """Node `node`'s round r: ('ok', its report), or ('timeout', None) when it missed the deadline."""
+        """Node `node`'s round r of the run: ('ok', its report), or ('timeout', None) when it missed the
+        deadline."""
 
     def close(self) -> None:
         """Stop what start() started."""
@@ -75,26 +74,27 @@ class NodeExecutor(ABC):
 class ProcessExecutor(NodeExecutor):
     name = "process"
 
-    def start(self, p: Params) -> None:
-        POOL.start(range(sync_method(p).nodes))  # no-op for processes already started (stages.rounds)
+    def start(self, ctx: RoundContext) -> None:
+        POOL.start(range(ctx.method.nodes))  # no-op for processes already started (stages.rounds)
 
-    def share_tokens(self, p: Params, store: Store) -> Optional[str]:
-        tokens = os.path.join(p.artifacts_dir, "tokens")
+    def share_tokens(self, ctx: RoundContext) -> Optional[str]:
+        tokens = os.path.join(ctx.p.artifacts_dir, "tokens")
         if os.path.exists(tokens):  # nodes here read these: refuse ids the model cannot embed before round 1
-            check_vocab(p.model.vocab_size, TokenData.open(tokens), tokens)
+            check_vocab(ctx.p.model.vocab_size, TokenData.open(tokens), tokens)
         return None
 
-    def local_state_checker(self, p: Params, run: Run) -> Optional[Callable[[int, StateRef], bool]]:
-        run_id, root = run.info()["run_id"], node_state_root(p)
+    def local_state_checker(self, ctx: RoundContext) -> Optional[Callable[[int, StateRef], bool]]:
+        run = ctx.run
+        run_id, root = run.info()["run_id"], node_state_root(ctx.p)
         return lambda node, ref: NodeStateDir(root, run.store.url, run.name, run_id, node).has_state(ref)
 
-    def run_node(self, p, run, r, node, timeout_s, checkpoint, tokens_key):
+    def run_node(self, ctx, r, node, timeout_s, checkpoint, tokens_key):
         """The round on the node's long-lived process, its output relayed to the Prefect log."""
         from prefect import get_run_logger
 
         logger = get_run_logger()
-        req = NodeRequest(to_dict(p), run, r, node, checkpoint)
-        progress = RoundProgress.of(run, r)
+        req = NodeRequest(to_dict(ctx.p), ctx.name, r, node, checkpoint)
+        progress = RoundProgress.of(ctx.name, r)
 
         def relay(event: NodeEvent) -> None:
             logger.info("node %d | %s", node, event.sentence())
@@ -119,23 +119,24 @@ class DeploymentExecutor(NodeExecutor):
                               "need a Prefect server they can reach (prefect server start --host 0.0.0.0; export "
                               "PREFECT_API_URL=http://<this machine>:4200/api here and on every node machine)")
 
-    def prepare(self, p: Params, run: Run) -> None:
+    def prepare(self, ctx: RoundContext) -> None:
         """The API and the runner of each member of the next round (all nodes before round 0, or while the
         latest round is damaged: the flow sets it aside, then checks again)."""
         from pipelines.deployment_nodes import check_node_deployments
 
         try:
-            latest = run.latest_round()
-            members = round_members(p, run, latest + 1) if latest is not None else None
+            latest = ctx.run.latest_round()
+            members = round_members(ctx, latest + 1) if latest is not None else None
         except (IntegrityError, RecordError):
             members = None
-        check_node_deployments(p, members)
+        check_node_deployments(ctx.p, range(ctx.method.nodes) if members is None else members)
 
-    def share_tokens(self, p: Params, store: Store) -> Optional[str]:
+    def share_tokens(self, ctx: RoundContext) -> Optional[str]:
         """Deployment nodes on other machines read the token shards from shared storage."""
         from prefect import get_run_logger
 
         logger = get_run_logger()
+        p, store = ctx.p, ctx.store
         secrets = sorted(set(p.storage.options) & {"key", "secret", "token", "password"})
         if secrets:
             logger.warning("storage.options %s go to every node as flow run parameters (stored by the Prefect "
@@ -144,10 +145,10 @@ class DeploymentExecutor(NodeExecutor):
         logger.info("token shards on shared storage: %s", tokens_dir(key))
         return key
 
-    def run_node(self, p, run, r, node, timeout_s, checkpoint, tokens_key):
+    def run_node(self, ctx, r, node, timeout_s, checkpoint, tokens_key):
         from pipelines.deployment_nodes import run_on_deployment
 
-        return run_on_deployment(p, run, r, node, timeout_s, checkpoint, tokens_key)
+        return run_on_deployment(ctx, r, node, timeout_s, checkpoint, tokens_key)
 
 
 EXECUTORS: dict[str, type[NodeExecutor]] = {"process": ProcessExecutor, "deployment": DeploymentExecutor}

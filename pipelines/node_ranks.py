@@ -21,6 +21,7 @@ import tempfile
 from typing import TYPE_CHECKING, Callable, Optional
 
 if TYPE_CHECKING:
+    from spes.round.context import RoundContext
     from spes.run.records import NodeReport
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,15 +40,16 @@ def check_ranks(p) -> None:
                           "visible CUDA device(s)")
 
 
-def run_node(p, store, run: str, r: int, node: int, tokens_dir: str, threads: int,
+def run_node(ctx: RoundContext, r: int, node: int, tokens_dir: str, threads: int,
              on_step: Optional[Callable[[int], None]] = None, checkpoint: bool = False,
              from_checkpoint: bool = False) -> NodeReport:
     """The node's round; its report (what node_round returns)."""
     from spes.data.tokens import TokenData
     from spes.round.node import node_round
 
+    p, run = ctx.p, ctx.name
     if p.orchestration.gpus_per_node == 1:
-        return node_round(p, store, run, r, node, TokenData.open(tokens_dir), on_step=on_step, checkpoint=checkpoint,
+        return node_round(ctx, r, node, TokenData.open(tokens_dir), on_step=on_step, checkpoint=checkpoint,
                           from_checkpoint=from_checkpoint)
     check_ranks(p)
     from pipelines.node_events import read_stream
@@ -81,8 +83,8 @@ def rank_main(request_path: str, threads: int, events_path: str) -> None:
     from pipelines.request import NodeRequest
     from spes.config.loader import params_from_dict
     from spes.data.tokens import TokenData
+    from spes.round.context import RoundContext
     from spes.round.node import node_round
-    from spes.storage.store import Store
     from spes.train.devices import resolve_device
 
     with open(request_path) as f:
@@ -102,7 +104,7 @@ def rank_main(request_path: str, threads: int, events_path: str) -> None:
         logging.getLogger("spes").setLevel(logging.INFO)
     out = None
     try:
-        out = result_event(node_round(p, Store.from_config(p.storage), req.run, req.round, node,
+        out = result_event(node_round(RoundContext.build(p, req.run), req.round, node,
                                       TokenData.open(req.tokens_dir), checkpoint=req.checkpoint,
                                       from_checkpoint=req.from_checkpoint))
     except Exception as e:  # rank 0 reports the node's own error (and whether a retry may help), then fails

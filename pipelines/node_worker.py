@@ -31,26 +31,37 @@ def tokens_folder(p, store, req) -> str:
     return os.path.join(p.artifacts_dir, "tokens")
 
 
+_CONTEXT: dict = {}
+"""The last request's params and run, and the round context built from them: a node process parses its
+params and opens storage once per run, not once per round."""
+
+
+def round_context(req):
+    from spes.config.loader import params_from_dict
+    from spes.round.context import RoundContext
+
+    if _CONTEXT.get("key") != (req.params, req.run):
+        _CONTEXT.clear()
+        _CONTEXT.update(key=(req.params, req.run), ctx=RoundContext.build(params_from_dict(req.params), req.run))
+    return _CONTEXT["ctx"]
+
+
 def run_request(req, nodes_here: Optional[int], faults):
     """The node's round for `req` in this process, on this machine's cores shared among `nodes_here` nodes
     (None: all of the run's nodes, as the process executor runs them)."""
     import torch
 
     from pipelines.node_ranks import run_node
-    from spes.config.loader import params_from_dict
-    from spes.run.layout import RunLayout
-    from spes.storage.store import Store
-    from spes.sync.methods import sync_method
     from spes.train.devices import node_threads
 
-    p = params_from_dict(req.params)
-    threads = node_threads(p, nodes_here or sync_method(p).nodes)
+    ctx = round_context(req)
+    p, store = ctx.p, ctx.store
+    threads = node_threads(p, nodes_here or ctx.method.nodes)
     torch.set_num_threads(threads)
     r, node, run = req.round, req.node, req.run
-    store = Store.from_config(p.storage)
-    meta = run_node(p, store, run, r, node, tokens_folder(p, store, req), threads, on_step=faults.hook(run, r, node),
+    meta = run_node(ctx, r, node, tokens_folder(p, store, req), threads, on_step=faults.hook(run, r, node),
                     checkpoint=req.checkpoint, from_checkpoint=req.from_checkpoint)
-    faults.after_commit(run, r, node, store.path(RunLayout(run).node_dir(r, node)))
+    faults.after_commit(run, r, node, store.path(ctx.layout.node_dir(r, node)))
     if r == p.sync.rounds:  # the run's last round: its local state goes once the run's last global is committed
         threading.Thread(target=_forget_when_finished, args=(p, store, run, node), daemon=True).start()
     return meta

@@ -8,7 +8,9 @@
                                   uncommitted attempt is redone whole); an upload that fails verification is
                                   set aside and its node re-run once
 
-Tasks receive the parsed, validated `Params` from the flow (nothing is re-read from disk). A table
+Tasks receive the parsed, validated `Params` from the flow (nothing is re-read from disk) and work with the
+run's context (spes/round/context.py), built once per flow run by `open_run` with the aggregator beside
+it: one store, one sync method and codec, and one read of global r-1 per round in this process. A table
 artifact per round (node, loss, tokens, bytes up/down, seconds, expert load) shows in the Prefect UI.
 """
 
@@ -28,11 +30,10 @@ from pipelines.round_progress import RoundProgress
 from spes.config.schema import Params
 from spes.errors import retryable
 from spes.round.aggregator import Aggregator
+from spes.round.context import RoundContext
 from spes.round.driver import HeldOutProbe, round_members, run_round
 from spes.round.node import committed_report
 from spes.run.records import GlobalMeta, NodeReport, RoundRecord
-from spes.run.run import Run
-from spes.storage.store import Store
 
 
 def artifact_key(*parts: Any) -> str:
@@ -44,13 +45,14 @@ def node_task(p: Params, run: str, r: int, node: int, deadline: float, checkpoin
               tokens_key: Optional[str] = None) -> NodeReport:
     """One node's local steps. A crash raises (Prefect retries it); missing the round deadline returns
     status 'timeout' so the round proceeds with a quorum."""
-    done = committed_report(Store.from_config(p.storage), run, r, node)
+    ctx = run_context(p, run)
+    done = committed_report(ctx.run, r, node)
     if done is not None:  # committed by an earlier try or flow run
         return done
     remaining = deadline - time.time()
     if remaining <= 0:
         return NodeReport(node, "timeout")
-    status, report = executor_for(p).run_node(p, run, r, node, remaining, checkpoint, tokens_key)
+    status, report = executor_for(p).run_node(ctx, r, node, remaining, checkpoint, tokens_key)
     if status != "ok":
         get_run_logger().warning("node %d missed the round %d deadline", node, r)
         return NodeReport(node, status)
@@ -70,19 +72,34 @@ def worth_retrying(task, task_run, state) -> bool:
 
 @task(task_run_name="aggregate-round-{r}")
 def aggregate_task(p: Params, run: str, r: int, rerun_rejected: bool) -> GlobalMeta:
-    return _aggregator(p, run).aggregate(r, p.orchestration.min_nodes, rerun_rejected)
+    return _opened(p, run)[1].aggregate(r, p.orchestration.min_nodes, rerun_rejected)
 
 
-_AGGREGATORS: dict[tuple[str, str], Aggregator] = {}
+_OPEN: tuple[RoundContext, Aggregator] | None = None
+"""The run this flow process works on: its context and its aggregator (which holds the global it committed
+last for the next round). One run at a time per flow process."""
 
 
-def _aggregator(p: Params, run: str) -> Aggregator:
-    """One aggregator per run in this process: it holds the global it committed last for the next round."""
-    key = (p.storage.url, run)
-    if key not in _AGGREGATORS:
-        _AGGREGATORS.clear()  # one run at a time per flow process: let the previous run's model go
-        _AGGREGATORS[key] = Aggregator(p, Store.from_config(p.storage), run)
-    return _AGGREGATORS[key]
+def open_run(p: Params, run: str) -> RoundContext:
+    """At a flow run's start: the run's context as its writer, and its aggregator (the previous run's model is
+    let go; what another process did to the run since is read anew)."""
+    global _OPEN
+    _OPEN = None
+    ctx = RoundContext.build(p, run, writer=True)
+    _OPEN = (ctx, Aggregator(ctx))
+    return ctx
+
+
+def _opened(p: Params, run: str) -> tuple[RoundContext, Aggregator]:
+    """What `open_run` built for this run and settings (a task called outside a flow opens it here)."""
+    if _OPEN is None or _OPEN[0].name != run or _OPEN[0].p != p:
+        open_run(p, run)
+    assert _OPEN is not None
+    return _OPEN
+
+
+def run_context(p: Params, run: str) -> RoundContext:
+    return _opened(p, run)[0]
 
 
 def _table(rows: list[NodeReport], agg: GlobalMeta) -> list[dict]:
@@ -126,11 +143,11 @@ def _node_runner(p: Params, run: str, r: int, deadline: float, tokens_key):
 @task(task_run_name="round-{r}")
 def round_task(p: Params, run: str, r: int, checkpoint: bool = False, tokens_key: Optional[str] = None) -> RoundRecord:
     deadline = time.time() + p.orchestration.round_timeout_s
-    handle = Run(Store.from_config(p.storage), run)
-    RoundProgress.start(artifact_key(run, "round", r, "progress"), run, r, len(round_members(p, handle, r)))
+    ctx = run_context(p, run)
+    RoundProgress.start(artifact_key(run, "round", r, "progress"), run, r, len(round_members(ctx, r)))
     aggregate = aggregate_task.with_options(retries=p.storage.retries, retry_delay_seconds=2,
                                             retry_condition_fn=worth_retrying)
-    record = run_round(p, handle, r, _node_runner(p, run, r, deadline, tokens_key),
+    record = run_round(ctx, r, _node_runner(p, run, r, deadline, tokens_key),
                        lambda rerun: aggregate(p, run, r, rerun), checkpoint, HeldOutProbe(p))
     agg, heldout = record.aggregate, record.heldout_loss
     for line in agg.membership_changes:

@@ -18,17 +18,16 @@ from prefect.runtime import flow_run
 from pipelines.executors import NodeExecutor, executor_for
 from pipelines.formatting import load_heatmap, sparkline
 from pipelines.library_logs import relay_library_logs
-from pipelines.round import artifact_key, round_task
+from pipelines.round import artifact_key, open_run, round_task
 from spes.config.loader import load_params, to_dict
-from spes.config.schema import Params
 from spes.errors import ConfigError, SpesError
+from spes.round.context import RoundContext
 from spes.round.driver import checkpoint_due, resume_point
 from spes.run.board import RunBoard, board_dir
 from spes.run.identity import InitModel, fingerprinted, legacy_fingerprint, settings_fingerprint
 from spes.run.lease import RunLease
 from spes.run.records import RoundRecord
 from spes.run.run import Run
-from spes.storage.store import Store
 
 STAGES = ("warmup", "train", "all")
 
@@ -65,12 +64,12 @@ def spes_training(params_path: str = "params.yaml", overrides: Optional[list[str
     run = p.orchestration.run_name
     if not run_name:
         _rename_flow_run(run, stage, resume_round)
-    store, executor = Store.from_config(p.storage), executor_for(p)
-    handle = Run(store, run)
-    executor.prepare(p, handle)  # before the lease and any round
-    with RunLease(store, run, p.orchestration.lock_ttl_s) as lease:
+    ctx, executor = open_run(p, run), executor_for(p)
+    executor.prepare(ctx)  # before the lease and any round
+    with RunLease(ctx.store, run, p.orchestration.lock_ttl_s) as lease:
+        ctx.run.forget_globals()  # what was read before the lease may have been moved aside by another writer since
         try:
-            return _run_rounds(p, executor, handle, lease, stage, resume_round, init_path, on_mismatch)
+            return _run_rounds(ctx, executor, lease, stage, resume_round, init_path, on_mismatch)
         except SpesError as e:
             lease.explain(e)  # a failure after the lease was lost says so
             raise
@@ -134,17 +133,18 @@ class HeldOutCurve:
         return True
 
 
-def _run_rounds(p: Params, executor: NodeExecutor, run: Run, lease: RunLease, stage: str, resume_round, init_path,
+def _run_rounds(ctx: RoundContext, executor: NodeExecutor, lease: RunLease, stage: str, resume_round, init_path,
                 on_mismatch) -> dict:
     """The flow's body, run while it holds the run's writer lease."""
     logger = get_run_logger()
-    executor.start(p)
+    p, run = ctx.p, ctx.run
+    executor.start(ctx)
     on_mismatch = "restart" if p.orchestration.supersede else on_mismatch
     run.ensure(settings_fingerprint(p), InitModel.load(init_path) if init_path else None, on_mismatch,
                legacy=legacy_fingerprint(p), fresh=p.orchestration.fresh and stage != "train",
                settings=fingerprinted(to_dict(p)))
     # a damaged latest round is set aside (not a dead end); an extended wsd run keeps its stable rounds
-    first = resume_point(p, run, resume_round, executor.local_state_checker(p, run))
+    first = resume_point(p, run, resume_round, executor.local_state_checker(ctx))
     run.prune_superseded(p.storage.keep_superseded)
     run.check_global(first - 1)
     last = p.sync.warmup_rounds if stage == "warmup" else p.sync.rounds
@@ -153,7 +153,7 @@ def _run_rounds(p: Params, executor: NodeExecutor, run: Run, lease: RunLease, st
                     run.name, last, stage, first - 1)
     else:
         logger.info("run %s: starting at round %d of %d", run.name, first, last)
-    tokens_key = executor.share_tokens(p, run.store) if first <= last else None
+    tokens_key = executor.share_tokens(ctx) if first <= last else None
     progress = create_progress_artifact(progress=100.0 * (first - 1) / p.sync.rounds,
                                         key=artifact_key(run.name, "progress"),
                                         description=f"rounds committed of {p.sync.rounds}")

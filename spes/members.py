@@ -18,9 +18,8 @@ import argparse
 from spes.cli import run_command
 from spes.config.loader import load_params
 from spes.errors import MembershipError, SpesError, UsageError
+from spes.round.context import RoundContext
 from spes.run.membership import latest_membership, request
-from spes.storage.store import Store
-from spes.sync.methods import sync_method
 from spes.train.capacity import max_experts_fitting
 from spes.train.plan import parse_bytes
 
@@ -37,7 +36,8 @@ def main(argv=None) -> None:
     try:
         p = load_params(a.params, a.overrides)
         run = a.run or p.orchestration.run_name
-        store, method = Store.from_config(p.storage), sync_method(p)
+        ctx = RoundContext.build(p, run)
+        store, method = ctx.store, ctx.method
         if a.action == "show":
             latest, m = latest_membership(store, run, method)
             print(f"run {run}: round {latest + 1}'s members")

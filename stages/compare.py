@@ -74,7 +74,6 @@ def run_cell(a) -> None:
     from spes.eval.heldout import heldout_loss
     from spes.eval.stats import clustered_se
     from spes.run.run import Run
-    from spes.storage.store import Store
     from spes.train.plan import node_memory
 
     p, _ = _load(a.params)
@@ -88,16 +87,16 @@ def run_cell(a) -> None:
     prefect_env_defaults()
     from pipelines.node_pool import POOL
     from pipelines.prefect_api import prefect_api
-    from spes.sync.methods import sync_method
+    from spes.train.planned_nodes import planned_nodes
 
-    POOL.start(range(sync_method(vp).nodes))
+    POOL.start(range(planned_nodes(vp).count))
     with prefect_api(), tempfile.TemporaryDirectory() as tmp:
         from pipelines.training import spes_training
 
         spes_training(params_path=a.params, overrides=overrides, stage="all", run_name=cell.run_name,
                       init_path=_variant_init(p, vp, tmp), on_mismatch="restart")
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    run_ = Run(Store.from_config(vp.storage), cell.run_name)
+    run_ = Run.open(vp.storage, cell.run_name)
     last = run_.latest_round()
     model, _ = run_.load_model(last)
     data = TokenData.open(os.path.join(p.artifacts_dir, "tokens"))

@@ -53,13 +53,12 @@ def main() -> None:
     from spes.model.hf import export_hf, to_hf
     from spes.model.transformer import CausalLM
     from spes.run.run import Run
-    from spes.storage.store import Store
     from spes.train.devices import resolve_device
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     d = out_dir(p, "eval")
     e = p.eval
-    run = Run(Store.from_config(p.storage), p.orchestration.run_name)
+    run = Run.open(p.storage, p.orchestration.run_name)
     data = TokenData.open(os.path.join(p.artifacts_dir, "tokens"))
     rounds = run.committed_rounds()
     if not rounds:

@@ -30,8 +30,10 @@ def main() -> None:
         raise MissingInput(f"{init} does not exist: run the earlier stages first (dvc repro upcycle)")
     prefect_env_defaults()
     from pipelines.prefect_api import prefect_api
+    from spes.round.context import RoundContext
 
-    executor.start(p)  # node processes start while the Prefect server does
+    # node processes start while the Prefect server does (the flow's own start is then a no-op)
+    executor.start(RoundContext.build(p, p.orchestration.run_name))
     with prefect_api():  # PREFECT_API_URL, or a local server that dies with this process
         # prefect is imported only now: its settings are read at import, after PREFECT_API_URL is set
         from pipelines.stopping import stop_on_signals
@@ -50,10 +52,9 @@ def _write_outputs(p, stage: str, out: dict) -> None:
     run now or by an earlier (resumed) invocation."""
     from spes.run.layout import MODEL_FILE
     from spes.run.run import Run
-    from spes.storage.store import Store
 
     first, last = (1, p.sync.warmup_rounds) if stage == "warmup" else (p.sync.warmup_rounds + 1, p.sync.rounds)
-    run = Run(Store.from_config(p.storage), out["run"])
+    run = Run.open(p.storage, out["run"])
     rounds = run.records(first, last)
     stage_last = min(out["latest_committed"], last)
     # summary.json is a DVC out: only what the rounds computed (bit for bit the same on a rerun), no timings

@@ -30,9 +30,15 @@ MODEL_MATH_KEYS = ("lb_loss_coef", "z_loss_coef", "z_loss_reduction", "lm_head_z
 model the init recipe makes anew from the same dense model: equal memory per node, compare.node_memory)."""
 
 
-def run_tokens(p: Params) -> int:
+def nodes_and_batch(p: Params) -> tuple[int, int]:
+    """How many nodes train a variant, and the sequences each takes per step (its sync method's plan)."""
     m = sync_method(p)
-    return m.nodes * m.node_batch_size * p.train.seq_len * p.sync.every_steps * p.sync.rounds
+    return m.nodes, m.node_batch_size
+
+
+def run_tokens(p: Params) -> int:
+    nodes, batch = nodes_and_batch(p)
+    return nodes * batch * p.train.seq_len * p.sync.every_steps * p.sync.rounds
 
 
 @dataclass(frozen=True)
@@ -195,7 +201,7 @@ def slice_agreement(results: list[dict]) -> Optional[dict]:
 def has_frontier(resolved: dict[str, Params]) -> bool:
     """Whether the multi-node variants of a matrix (`check_matrix`'s) sync at more than one interval (the report
     then plots loss against traffic, frontier.svg)."""
-    intervals = {vp.sync.every_steps for vp in resolved.values() if sync_method(vp).nodes > 1}
+    intervals = {vp.sync.every_steps for vp in resolved.values() if nodes_and_batch(vp)[0] > 1}
     return len(intervals) > 1
 
 
@@ -208,8 +214,8 @@ def frontier(p: Params, rows: list[dict], runs: Optional[dict] = None) -> list[d
     out = []
     for r in rows:
         vp = variant_params(p, r["variant"], budget=r["budget"])
-        method = sync_method(vp)
-        if method.nodes < 2:  # one node: nothing between nodes to trade against
+        nodes = nodes_and_batch(vp)[0]
+        if nodes < 2:  # one node: nothing between nodes to trade against
             continue
         label = (vp.sync.method + ("+nesterov" if vp.outer.shared == "nesterov" else "")
                  + ("+avgopt" if vp.sync.average_optimizer_state else ""))
@@ -218,7 +224,7 @@ def frontier(p: Params, rows: list[dict], runs: Optional[dict] = None) -> list[d
                     "heldout_loss_std": r["heldout_loss_std"], "seeds": r["seeds"],
                     "diff_to_baseline": r["diff_to_baseline"], "diff_to_baseline_se": r["diff_to_baseline_se"],
                     "bytes_per_node_per_token": r["bytes_per_node_per_round"] * vp.sync.rounds
-                    / (r["tokens"] / method.nodes)})
+                    / (r["tokens"] / nodes)})
     if len({x["sync_steps"] for x in out}) < 2:
         return []
     for x in out:  # against the same method at the base interval (paired by seed and window), each at its best lr

@@ -19,18 +19,15 @@ import time
 import uuid
 from typing import Optional
 
-from spes.config.schema import Params
 from spes.errors import QuorumError, UploadsRejected
 from spes.round.attempt import RoundAttempt, one_torch_thread
+from spes.round.context import RoundContext
 from spes.round.uploads import BadUpload, committed_uploads
-from spes.run.layout import MODEL_FILE, RunLayout
+from spes.run.layout import MODEL_FILE
 from spes.run.membership import membership_of, next_membership, read_requests, stamp
 from spes.run.records import DeltaMeta, GlobalMeta, Membership, UploadMeta
 from spes.run.rounds import next_index
-from spes.run.run import Run
-from spes.storage.store import BundleWriter, Store
-from spes.sync.codecs import make_codec
-from spes.sync.methods import sync_method
+from spes.storage.store import BundleWriter
 
 log = logging.getLogger("spes.round.aggregator")
 
@@ -40,9 +37,9 @@ class Aggregator:
     next round need not read it back; its first round after a start reads global r-1 from storage. The sync
     method and the codec are built once, here."""
 
-    def __init__(self, p: Params, store: Store, run: str):
-        self.p, self.store, self.run, self.layout = p, store, run, RunLayout(run)
-        self.method, self.codec = sync_method(p), make_codec(p.sync.codec, p.sync.int8_block)
+    def __init__(self, ctx: RoundContext):
+        self.p, self.store, self.run, self.layout = ctx.p, ctx.store, ctx.run, ctx.layout
+        self.method, self.codec = ctx.method, ctx.codec
         self._held: Optional[tuple[tuple[int, str], dict]] = None  # ((round, sha256), tensors)
 
     def hold(self, r: int) -> None:
@@ -65,12 +62,11 @@ class Aggregator:
         (the caller re-runs those nodes), else they are left out under the quorum."""
         p, store, layout, method = self.p, self.store, self.layout, self.method
         if store.is_committed(layout.global_dir(r)):
-            return GlobalMeta.from_json(store.read_manifest(layout.global_dir(r))["meta"],
-                                        f"{store.url}/{layout.global_dir(r)}")
+            return self.run.global_meta(r)
         t0 = time.perf_counter()
         store.remove(layout.delta_dir(r))  # a delta of a global that was never committed (crash in between)
         prev_rel = layout.global_dir(r - 1)
-        prev = store.read_manifest(prev_rel)
+        prev = self.run.global_manifest(r - 1)
         prev_meta = GlobalMeta.from_json(prev["meta"], f"{store.url}/{prev_rel}")
         base_sha = prev["files"][MODEL_FILE]["sha256"]
         membership = membership_of(prev_meta, method)
@@ -127,16 +123,16 @@ class Aggregator:
             rejected=rejected, merge_alpha=attempt.alpha, merged=attempt.merging,
             node_loss={i: metas[i].loss_mean for i in uploads}, node_states=states,
             codec=p.sync.codec, seconds_aggregate=time.perf_counter() - t0,
-            index=next_index(prev_meta.index or Run(store, self.run).index(r - 1), r, states),
+            index=next_index(prev_meta.index or self.run.index(r - 1), r, states),
             run_id=prev_meta.run_id, fingerprint=prev_meta.fingerprint, total_steps=p.sync.total_steps,
             membership=change.membership, membership_changes=change.changes)
         stamp(store, layout, change.stamped)  # before the commit: a retry or a recomputed round applies them at r
-        glob.commit(meta.to_json())
+        self.run.committed_global(r, glob.commit(meta.to_json()))
         self._held = ((r, new_sha), attempt.new_model)
         return meta
 
 
-def aggregate_round(p: Params, store: Store, run: str, r: int, min_nodes: Optional[int] = None,
+def aggregate_round(ctx: RoundContext, r: int, min_nodes: Optional[int] = None,
                     rerun_rejected: bool = False) -> GlobalMeta:
     """One round's aggregation without a held global (tests, scripts): reads global r-1 from storage."""
-    return Aggregator(p, store, run).aggregate(r, min_nodes, rerun_rejected)
+    return Aggregator(ctx).aggregate(r, min_nodes, rerun_rejected)

@@ -18,10 +18,10 @@ from spes.config.schema import Params
 from spes.data.tokens import TokenData
 from spes.errors import QuorumError, UploadsRejected
 from spes.eval.heldout import heldout_loss
+from spes.round.context import RoundContext
 from spes.run.membership import membership_of, request_planned
 from spes.run.records import GlobalMeta, NodeReport, RoundRecord
 from spes.run.run import Run
-from spes.sync.methods import sync_method
 from spes.train.schedule import stable_end
 
 log = logging.getLogger("spes.round")
@@ -88,20 +88,21 @@ def _align_schedule(p: Params, run: Run) -> None:
                     old_total, moved, keep)
 
 
-def round_members(p: Params, run: Run, r: int) -> list[int]:
+def round_members(ctx: RoundContext, r: int) -> list[int]:
     """The nodes that train round r: its membership, recorded in global r-1 (spes/run/membership.py)."""
-    return membership_of(run.global_meta(r - 1), sync_method(p)).members
+    return membership_of(ctx.run.global_meta(r - 1), ctx.method).members
 
 
-def run_round(p: Params, run: Run, r: int, run_nodes: NodeRunner, aggregate: Aggregate, checkpoint: bool,
+def run_round(ctx: RoundContext, r: int, run_nodes: NodeRunner, aggregate: Aggregate, checkpoint: bool,
               heldout: Optional[Callable[[Run, int], float]] = None) -> RoundRecord:
     """Round r from start to record (see the module docstring); returns its record."""
     t0 = time.time()
+    p, run = ctx.p, ctx.run
     o = p.orchestration
     if o.membership_plan:
-        request_planned(run.store, run.name, sync_method(p),
+        request_planned(run.store, run.name, ctx.method,
                         planned_changes(o.membership_plan, p.sync.rounds, p.sync.num_nodes), r)
-    rows = run_nodes(round_members(p, run, r), checkpoint)
+    rows = run_nodes(round_members(ctx, r), checkpoint)
     try:
         try:
             agg = aggregate(True)

@@ -1,6 +1,6 @@
 """What a node's round starts from, read by its rank 0: global r-1 (rebuilt from the deltas since the global
 it holds, or downloaded) and the node's state that global was built with (from its machine, or the checkpoint
-on shared storage), with the round's membership; and the `NodeContext` every step of a node round works with.
+on shared storage), with the round's membership.
 """
 from __future__ import annotations
 
@@ -10,40 +10,16 @@ from typing import Optional
 
 import torch
 
-from spes.config.schema import Params
 from spes.errors import MembershipError, ProtocolError, StorageError
+from spes.round.context import RoundContext
 from spes.round.fetch import fetch_global
-from spes.run.layout import RunLayout
 from spes.run.local_runs import node_state_root, tidy_other_runs_once
 from spes.run.membership import membership_of
 from spes.run.node_state import NodeState, NodeStateDir
 from spes.run.records import GlobalMeta, StateRef
-from spes.run.run import Run
-from spes.storage.store import Store
-from spes.sync.codecs import Codec, make_codec
 from spes.sync.deltas import MOMENTS_FILE, experts_file
-from spes.sync.method import SyncMethod
-from spes.sync.methods import sync_method
 
 log = logging.getLogger("spes.round.node")
-
-
-@dataclass
-class NodeContext:
-    """What a node round works with, built once from the settings: storage, the run's layout, the sync
-    method and the codec (rather than each step rebuilding them from `p`)."""
-
-    p: Params
-    store: Store
-    run: str
-    layout: RunLayout
-    method: SyncMethod
-    codec: Codec
-
-    @classmethod
-    def build(cls, p: Params, store: Store, run: str) -> "NodeContext":
-        return cls(p, store, run, RunLayout(run), sync_method(p), make_codec(p.sync.codec, p.sync.int8_block))
-
 
 
 @dataclass
@@ -64,18 +40,18 @@ class RoundInputs:
     """Its data position: its state's, or (no state: a new member) where its slot would be had it read every round."""
 
 
-def read_inputs(ctx: NodeContext, r: int, node: int, from_checkpoint: bool = False) -> RoundInputs:
+def read_inputs(ctx: RoundContext, r: int, node: int, from_checkpoint: bool = False) -> RoundInputs:
     """Rank 0: global r-1 (rebuilt from the deltas since the global held here, or downloaded) and the node's
     state that global was built with (from this machine, or the checkpoint on shared storage). With
     `from_checkpoint` (its machine was lost), a state that is neither here nor checkpointed is replaced by the
     node's latest checkpointed one (its optimizer state, residual and data position of then)."""
-    p, store, run, layout = ctx.p, ctx.store, ctx.run, ctx.layout
-    info = Run(store, run).info()
+    p, store, run, layout = ctx.p, ctx.store, ctx.name, ctx.layout
+    info = ctx.run.info()
     if info is None:
         raise ProtocolError(f"run {run!r} has no info on {store.url}")
     local = NodeStateDir(node_state_root(p), store.url, run, info["run_id"], node)
     tidy_other_runs_once(p, store, run, info["run_id"], local)
-    prev_manifest = store.read_manifest(layout.global_dir(r - 1))
+    prev_manifest = ctx.run.global_manifest(r - 1)
     prev_meta = GlobalMeta.from_json(prev_manifest["meta"], f"{store.url}/{layout.global_dir(r - 1)}")
     membership = membership_of(prev_meta, ctx.method)
     if node not in membership.owners:
@@ -83,7 +59,7 @@ def read_inputs(ctx: NodeContext, r: int, node: int, from_checkpoint: bool = Fal
                               f"{membership.members}); to take part again: python -m spes.members join --node {node}")
     ref = prev_meta.node_states.get(node)
     if from_checkpoint and ref is not None and not ref.checkpoint and not local.has_state(ref):
-        k, ref_k = Run(store, run).last_checkpointed_state(node, ref.round)
+        k, ref_k = ctx.run.last_checkpointed_state(node, ref.round)
         log.warning("node %d round %d: its state after round %d is on a lost machine; continuing from its "
                     "checkpoint of round %d (optimizer state, residual and data position of then; the model is "
                     "global %d)", node, r, ref.round, k, r - 1)

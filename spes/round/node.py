@@ -4,8 +4,8 @@
   train        sync.every_steps local steps (every rank of the node)
   commit       encoded delta upload (committed) + the node's state after round r
 
-Each step takes the round's `NodeContext` (the settings, storage, the run's layout, and the sync method and
-codec built once from them), not the settings to rebuild them from. Reading the inputs is
+Each step takes the round's `RoundContext` (spes/round/context.py: the settings, the run on storage, and the
+sync method and codec built once from them), not the settings to rebuild them from. Reading the inputs is
 spes/round/inputs.py; the node's housekeeping of other runs' local folders is spes/run/local_runs.py.
 
 The node's state stays on its machine (spes/run/node_state.py) and goes to shared storage only at checkpoint
@@ -27,11 +27,12 @@ from spes.data.tokens import BatchStream, TokenData
 from spes.errors import NonFiniteLoss
 from spes.model.names import is_expert_param
 from spes.model.transformer import CausalLM
-from spes.round.inputs import NodeContext, RoundInputs, read_inputs
+from spes.round.context import RoundContext
+from spes.round.inputs import RoundInputs, read_inputs
 from spes.round.progress_line import Progress
-from spes.run.layout import RunLayout
 from spes.run.records import NodeReport, StateRef, UploadMeta
-from spes.storage.store import BundleWriter, Store
+from spes.run.rounds import RunRounds
+from spes.storage.store import BundleWriter
 from spes.sync.deltas import EXPERTS_FILE, MOMENTS_FILE, averaged_moments, encode_upload
 from spes.train.devices import resolve_device
 from spes.train.distributed import broadcast_object, broadcast_tensors, rank_and_size, shards_node
@@ -58,9 +59,9 @@ def node_report(manifest: dict, where: str, seconds_save: float = 0.0) -> NodeRe
     return NodeReport(upload.node, "ok", upload, upload.bytes_up_files + mbytes, seconds_save)
 
 
-def committed_report(store: Store, run: str, r: int, node: int) -> Optional[NodeReport]:
+def committed_report(run: RunRounds, r: int, node: int) -> Optional[NodeReport]:
     """The node's report for round r if its upload is committed (a retry after it finished), else None."""
-    rel = RunLayout(run).node_dir(r, node)
+    store, rel = run.store, run.layout.node_dir(r, node)
     if not store.is_committed(rel):
         return None
     return node_report(store.read_manifest(rel), f"{store.url}/{rel}")
@@ -131,7 +132,7 @@ def _data_stream(p: Params, nodes: int, data: TokenData, job: Assignment, batch:
     return BatchStream(data.train, batch, t.seq_len, t.seed, job.slot, job.position, order=order, num_nodes=nodes)
 
 
-def train(ctx: NodeContext, r: int, node: int, data: TokenData, prev: Optional[dict], optim: Optional[dict],
+def train(ctx: RoundContext, r: int, node: int, data: TokenData, prev: Optional[dict], optim: Optional[dict],
           job: Assignment, on_step: Optional[Callable[[int], None]] = None) -> Trained:
     """Every rank: the node's `sync.every_steps` local steps from global r-1 (this rank's share of each batch)."""
     t0 = time.perf_counter()
@@ -143,13 +144,13 @@ def train(ctx: NodeContext, r: int, node: int, data: TokenData, prev: Optional[d
     if shards_node(p.train.node_parallel):  # built without storage; each rank's shards come from rank 0's tensors
         with torch.device("meta"):
             model = CausalLM(cfg)
-        trainer = build_node_trainer(p, model, node, device, job.owned, job.expert_steps)
+        trainer = build_node_trainer(p, model, job.owned, device, job.expert_steps)
         trainer.load_global(prev)
     else:
         model = CausalLM(cfg)
         assert prev is not None  # unsharded: every rank holds the broadcast global
         model.load_canonical_state_dict(prev)
-        trainer = build_node_trainer(p, model.to(device), node, None, job.owned, job.expert_steps)
+        trainer = build_node_trainer(p, model.to(device), job.owned, None, job.expert_steps)
     if optim is None or optim:  # None: a sharded node's rank other than 0, whose shards come from rank 0
         trainer.load_optimizer_tensors(optim)
     torch.manual_seed(node_seed(p.train.seed, node, r))
@@ -186,7 +187,7 @@ def train(ctx: NodeContext, r: int, node: int, data: TokenData, prev: Optional[d
                    trainer.state_bytes(), norms_cpu, [a[0] for a in aux_cpu], [a[1] for a in aux_cpu], timeline)
 
 
-def commit(ctx: NodeContext, r: int, node: int, inputs: RoundInputs, t: Trained, trained: dict[str, torch.Tensor],
+def commit(ctx: RoundContext, r: int, node: int, inputs: RoundInputs, t: Trained, trained: dict[str, torch.Tensor],
            optim: dict[str, torch.Tensor], checkpoint: bool, bytes_read0: int, bytes_written0: int,
            seconds_read: float = 0.0) -> NodeReport:
     """Rank 0: encode the upload (`trained`: the trainer's upload), keep the node's state (`optim`: its
@@ -236,7 +237,7 @@ def _log_progress(node: int, r: int, done: int, steps: int, loss: float, tokens:
     log.info("%s", Progress(node, r, done, steps, loss, tokens, seconds).line())
 
 
-def node_round(p: Params, store: Store, run: str, r: int, node: int, data: TokenData,
+def node_round(ctx: RoundContext, r: int, node: int, data: TokenData,
                on_step: Optional[Callable[[int], None]] = None, checkpoint: bool = False,
                from_checkpoint: bool = False) -> Optional[NodeReport]:
     """Node `node`'s part of round r: read its inputs, train `sync.every_steps` local steps, commit its upload;
@@ -246,11 +247,11 @@ def node_round(p: Params, store: Store, run: str, r: int, node: int, data: Token
     share of every batch (data parallel, the model replicated or sharded: train.node_parallel), rank 0
     alone reads and writes storage and returns the report (the others return None)."""
     lead = rank_and_size()[0] == 0
-    done = committed_report(store, run, r, node) if lead else None
+    p, store = ctx.p, ctx.store
+    done = committed_report(ctx.run, r, node) if lead else None
     if broadcast_object(done is not None):  # a retry after the node already finished
         return done
     read0, written0 = store.bytes_read, store.bytes_written
-    ctx = NodeContext.build(p, store, run)
     t_read = time.perf_counter()
     inputs = read_inputs(ctx, r, node, from_checkpoint) if lead else None
     t_read = time.perf_counter() - t_read

@@ -5,12 +5,13 @@ Run (spes/run/run.py) builds identity, resume and retention on top.
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
 from typing import Optional
 
-from spes.config.schema import ModelConfig
+from spes.config.schema import ModelConfig, StorageConfig
 from spes.errors import NotCommitted, RecordError
 from spes.model.names import canonical_shapes
 from spes.model.transformer import CausalLM
@@ -31,10 +32,45 @@ def next_index(prev: Optional[RunIndex], r: int, node_states: dict[int, StateRef
 
 
 class RunRounds:
-    """The rounds of run `name` on `store`."""
+    """The rounds of run `name` on `store`. With `keep_globals` (the run's writer: the flow holding its lease,
+    the only process that commits or moves its globals) the handle keeps the last global manifests it read or
+    committed instead of reading them again; moving rounds aside forgets them."""
 
-    def __init__(self, store: Store, name: str):
+    KEPT = 2
+    """Global manifests kept (r-1 and r: what a round's driver, aggregator and retention read)."""
+
+    def __init__(self, store: Store, name: str, keep_globals: bool = False):
         self.store, self.layout, self.name = store, RunLayout(name), name
+        self._keep_globals = keep_globals
+        self._globals: dict[int, dict] = {}
+
+    @classmethod
+    def open(cls, storage: StorageConfig, name: str, keep_globals: bool = False):
+        """Run `name` on the storage the settings' `storage` section names."""
+        return cls(Store.from_config(storage), name, keep_globals)
+
+    def global_manifest(self, r: int) -> dict:
+        """Committed global r's manifest (kept, for the writer)."""
+        manifest = self._globals.get(r)
+        if manifest is None:
+            manifest = self.store.read_manifest(self.layout.global_dir(r))
+            self._keep(r, manifest)
+        return manifest
+
+    def committed_global(self, r: int, manifest: dict) -> None:
+        """The writer committed global r with this manifest: kept as a read would return it."""
+        self._keep(r, json.loads(json.dumps(manifest)))
+
+    def forget_globals(self) -> None:
+        """Read the globals anew from here on (the writer's lease was just taken: what was read before it may
+        have been moved aside by another writer)."""
+        self._globals.clear()
+
+    def _keep(self, r: int, manifest: dict) -> None:
+        if self._keep_globals:
+            self._globals[r] = manifest
+            for q in sorted(self._globals)[:-self.KEPT]:
+                del self._globals[q]
 
     # -- rounds ------------------------------------------------------------------------------------
     def _round_names(self) -> list[int]:
@@ -53,14 +89,13 @@ class RunRounds:
         return [r for r in self._round_names() if self.store.is_committed(self.layout.global_dir(r))]
 
     def global_meta(self, r: int) -> GlobalMeta:
-        rel = self.layout.global_dir(r)
-        return GlobalMeta.from_json(self.store.read_manifest(rel)["meta"], f"{self.store.url}/{rel}")
+        return GlobalMeta.from_json(self.global_manifest(r)["meta"], f"{self.store.url}/{self.layout.global_dir(r)}")
 
     def check_global(self, r: int, manifest: Optional[dict] = None) -> GlobalMeta:
         """Before a round starts from global r: its meta and its model file's tensors (names, shapes) fit the
         model config it records; a damaged manifest stops here, naming the file, not inside a node."""
         rel = self.layout.global_dir(r)
-        manifest = manifest if manifest is not None else self.store.read_manifest(rel)
+        manifest = manifest if manifest is not None else self.global_manifest(r)
         meta = GlobalMeta.from_json(manifest["meta"], f"{self.store.url}/{rel}")
         try:
             want = canonical_shapes(ModelConfig(**meta.model_config))
@@ -103,6 +138,7 @@ class RunRounds:
         # sortable by time to the nanosecond (retention keeps the newest), unique across writers
         stamp = time.strftime("%Y%m%dT%H%M%S") + f".{time.time_ns() % 10**9:09d}-" + uuid.uuid4().hex[:6]
         dest = self.layout.superseded_dir(stamp)
+        self.forget_globals()
         moved = []
         for name in self.store.list_names(self.layout.rounds_dir):
             if name.isdigit() and int(name) > r:

@@ -25,7 +25,6 @@ from spes.storage.tensorio import Spec, file_bytes
 from spes.sync.codecs import make_codec
 from spes.sync.deltas import MODEL_FILE, MOMENT_KINDS, OUTER_FILE, RESIDUAL_FILE, encoded_specs
 from spes.sync.method import SyncMethod
-from spes.sync.methods import sync_method
 
 COMMIT_BYTES = 64
 RECORD_BYTES = {"upload": 760, "global": 1520, "delta": 500}
@@ -71,9 +70,11 @@ def _split(cfg: ModelConfig, method: SyncMethod) -> tuple[dict, dict]:
     return averaged, {n: sh for n, sh in shapes.items() if n not in averaged}
 
 
-def node_round_traffic(p: Params, node: int = 0, merging: bool = False, holds_previous: bool = True) -> RoundTraffic:
-    """Node `node`'s bytes up and down in one round of a run with these settings (see the module doc)."""
-    cfg, sync, method = p.model, p.sync, sync_method(p)
+def node_round_traffic(p: Params, method: SyncMethod, node: int = 0, merging: bool = False,
+                       holds_previous: bool = True) -> RoundTraffic:
+    """Node `node`'s bytes up and down in one round of a run with these settings and their sync method (see
+    the module doc)."""
+    cfg, sync = p.model, p.sync
     codec = make_codec(sync.codec, sync.int8_block)
     averaged, experts = _split(cfg, method)
     owners = {j: method.owned(j, cfg.num_experts) for j in range(method.nodes)}
@@ -120,8 +121,7 @@ def node_round_traffic(p: Params, node: int = 0, merging: bool = False, holds_pr
     return RoundTraffic(up, down)
 
 
-def largest_node_traffic(p: Params, **kw) -> RoundTraffic:
+def largest_node_traffic(p: Params, method: SyncMethod, **kw) -> RoundTraffic:
     """The traffic of the node that moves the most bytes in a round (nodes differ when experts do not divide)."""
-    nodes = sync_method(p).nodes
-    return max((node_round_traffic(p, i, **kw) for i in range(nodes)),
+    return max((node_round_traffic(p, method, i, **kw) for i in range(method.nodes)),
                key=lambda t: t.up_bytes + t.down_bytes)

@@ -22,8 +22,8 @@ from typing import Optional
 from spes.config.schema import ModelConfig, Params
 from spes.errors import ConfigError
 from spes.model.names import canonical_shapes, is_expert_param
-from spes.sync.methods import sync_method
 from spes.sync.traffic import RoundTraffic, largest_node_traffic
+from spes.train.planned_nodes import planned_nodes
 
 DEFAULT_TFLOPS = 150.0
 """Dense bf16 peak of a 48 GB workstation GPU of the paper's class (RTX A6000 / A40: about 150 TFLOPS)."""
@@ -72,9 +72,9 @@ def link_plan(p: Params, gpus: int, link_bps: float, rtt_s: float,
     if not (tflops > 0 and 0 < mfu <= 1):
         raise ConfigError(f"--tflops must be > 0 and --mfu in (0, 1], got {tflops} and {mfu}")
     cfg, sync, seq_len = p.model, p.sync, p.train.seq_len
-    traffic: RoundTraffic = largest_node_traffic(p)
-    method = sync_method(p)
-    nodes, tokens = method.nodes, method.node_batch_size * seq_len * sync.every_steps
+    planned = planned_nodes(p)
+    traffic: RoundTraffic = largest_node_traffic(p, planned.method)
+    nodes, tokens = planned.count, planned.batch_size * seq_len * sync.every_steps
 
     def phase(nbytes: int, files: int) -> float:
         t = nbytes * 8 / link_bps + files * rtt_s

@@ -31,7 +31,7 @@ from typing import Optional
 from spes.config.schema import LOSS_IMPLS, ModelConfig, Params
 from spes.errors import ConfigError
 from spes.model.names import canonical_shapes, is_expert_param
-from spes.sync.methods import sync_method
+from spes.train.planned_nodes import planned_nodes
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 F32, I64 = 4, 8
@@ -51,7 +51,7 @@ def on_nodes(p: Params, method: str, num_nodes: int, ownership: Optional[list[li
 def node_memory(p: Params, node: int = 0) -> dict:
     """Parameter counts and bytes of node `node` (gradients and two Adam moments in fp32 for what it trains)."""
     cfg, t = p.model, p.train
-    own = sync_method(p).owned(node, cfg.num_experts)
+    own = planned_nodes(p).owned[node]
     trainable = frozen = 0
     for name, shape in canonical_shapes(cfg).items():
         n = math.prod(shape)
@@ -138,7 +138,7 @@ def autocast_weight_copies(cfg: ModelConfig, m: dict, frozen_dtype: str, checkpo
 def unit_params(p: Params, node: int) -> dict[str, tuple[int, int]]:
     """(trainable, frozen) parameter counts of each FSDP unit: 'root' and 'block' (the largest block)."""
     cfg = p.model
-    own = sync_method(p).owned(node, cfg.num_experts)
+    own = planned_nodes(p).owned[node]
     units: dict[str, list[int]] = {}
     for name, shape in canonical_shapes(cfg).items():
         unit = name.split(".")[2] if name.startswith("model.layers.") else "root"
@@ -175,7 +175,7 @@ def plan_node(p: Params, node: int, ranks: int = 1, parallel: Optional[str] = No
     cfg, t = p.model, p.train
     m = node_memory(p, node)
     parallel = (parallel or t.node_parallel) if ranks > 1 else "single"
-    micro = t.micro_batch_size or sync_method(p).node_batch_size // ranks
+    micro = t.micro_batch_size or planned_nodes(p).batch_size // ranks
     for ckpt in (False, True):
         act = activation_bytes(cfg, micro, t.seq_len, ckpt, t.autocast)
         if t.autocast and parallel != "fsdp":  # fsdp gathers the weights in bf16 instead (counted below)
@@ -223,7 +223,7 @@ def variants(p: Params, ranks: int) -> dict[str, dict[str, int]]:
         for loss in LOSS_IMPLS:
             c = dataclasses.replace(p, model=dataclasses.replace(cfg, loss_impl=loss))
             out.setdefault(parallel, {})[loss] = max(plan_node(c, i, ranks, parallel)["peak_bytes"]
-                                                     for i in range(sync_method(p).nodes))
+                                                     for i in range(planned_nodes(p).count))
     return out
 
 
@@ -234,7 +234,7 @@ def report(p: Params, ranks: int, gpu_mem: Optional[int]) -> list[str]:
     lines = [f"model: {sum(math.prod(v) for v in canonical_shapes(cfg).values()):,} parameters; micro-batch "
              f"{full['micro_batch']} x {t.seq_len} tokens per rank, {ranks} rank(s) per node{how}"]
     rows: dict[str, list[int]] = {}
-    for i in range(sync_method(p).nodes):
+    for i in range(planned_nodes(p).count):
         m = plan_node(p, i, ranks)
         fits = "" if gpu_mem is None else (" fits" if m["peak_bytes"] <= gpu_mem else " DOES NOT FIT") + \
             f" in {gpu_mem / 2**30:.0f} GiB"
@@ -261,7 +261,7 @@ def summary(p: Params, ranks: int, gpu_mem: Optional[int]) -> dict:
     """The largest node's plan as one JSON-able dict (`--json`): fits, peak bytes per GPU, and the peaks of the
     other node_parallel and loss_impl choices."""
     cfg, t = p.model, p.train
-    nodes = [plan_node(p, i, ranks) for i in range(sync_method(p).nodes)]
+    nodes = [plan_node(p, i, ranks) for i in range(planned_nodes(p).count)]
     worst = max(nodes, key=lambda m: m["peak_bytes"])
     grid = variants(p, ranks)
     other = "plain" if cfg.loss_impl == "chunked" else "chunked"
@@ -291,7 +291,7 @@ def budget_bytes(budget: Optional[str], variants: dict) -> Optional[int]:
 
 def node_peak_state(vp) -> int:
     """The planned weights + gradients + Adam of a run's largest node."""
-    return max(node_memory(vp, i)["total_bytes"] for i in range(sync_method(vp).nodes))
+    return max(node_memory(vp, i)["total_bytes"] for i in range(planned_nodes(vp).count))
 
 
 def _ranges(nodes: list[int]) -> str:

@@ -20,7 +20,6 @@ from spes.model.losses import decayed_lb_factor
 from spes.model.moe import ExpertChunk, MoE
 from spes.model.transformer import CausalLM, ModelOutput
 from spes.sync.deltas import MOMENT_KINDS
-from spes.sync.methods import sync_method
 from spes.train.devices import AUTOCAST_DTYPES, autocast
 from spes.train.distributed import broadcast_object, node_mean, node_totals, rank_and_size, shards_node
 from spes.train.expert_state import canonical_of_chunk, chunk_state, parse_ranged, ranged_name
@@ -266,18 +265,16 @@ def _wrap_ddp(model: CausalLM):
 FROZEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def build_node_trainer(p: Params, model: CausalLM, node: int, device: Optional[torch.device] = None,
-                       owned: Optional[tuple[int, ...]] = None,
+def build_node_trainer(p: Params, model: CausalLM, owned: tuple[int, ...], device: Optional[torch.device] = None,
                        expert_steps: Optional[dict[int, float]] = None) -> Trainer:
-    """The trainer of node `node` under the run's settings: `owned` experts (default: the initial plan,
-    `sync.ownership` or contiguous blocks; every expert for the baselines) trainable, the others frozen in
-    `train.frozen_dtype`; its ranks (if several) working as `train.node_parallel` says. `device`: where a model
-    on the meta device goes; `expert_steps`: the stored Adam step count of each expert (chunks by count)."""
-    cfg, t = model.cfg, p.train
-    own = sync_method(p).owned(node, cfg.num_experts) if owned is None else owned
+    """A node's trainer under the run's settings: its `owned` experts (the round's membership; before round 1
+    spes/train/planned_nodes.py) trainable, the others frozen in `train.frozen_dtype`; its ranks (if several)
+    working as `train.node_parallel` says. `device`: where a model on the meta device goes; `expert_steps`:
+    the stored Adam step count of each expert (chunks by count)."""
+    t = p.train
     model.activation_checkpointing = t.activation_checkpointing == "block"
     if t.compile:
         for block in model.model.layers:
             block.compile()
-    return Trainer(model, own, t.optim, p.sync.total_steps, FROZEN_DTYPES[t.frozen_dtype], t.decayed_lb, t.autocast,
+    return Trainer(model, owned, t.optim, p.sync.total_steps, FROZEN_DTYPES[t.frozen_dtype], t.decayed_lb, t.autocast,
                    t.micro_batch_size, t.node_parallel, device, expert_steps)

@@ -7,6 +7,7 @@ from pipelines.node_ranks import run_node
 from spes.config.loader import params_from_dict, to_dict
 from spes.errors import ConfigError
 from spes.round.aggregator import aggregate_round
+from spes.round.context import RoundContext
 from spes.run.layout import MODEL_FILE
 from spes.sync.deltas import EXPERTS_FILE, SHARED_FILE
 from tests.spes.round.test_round import make_params, start
@@ -21,8 +22,8 @@ def params(tmp_path, name, ranks, batch=4, micro=1, parallel="ddp"):
 
 
 def node0(p, run, r, tokens, checkpoint=False):
-    meta = run_node(p, run.store, "r", r, 0, tokens, threads=2, checkpoint=checkpoint)
-    aggregate_round(p, run.store, "r", r, min_nodes=1)
+    meta = run_node(RoundContext.build(p, "r", run.store), r, 0, tokens, threads=2, checkpoint=checkpoint)
+    aggregate_round(RoundContext.build(p, "r", run.store), r, min_nodes=1)
     return meta
 
 

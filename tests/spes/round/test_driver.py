@@ -5,6 +5,7 @@ from spes.config.schema import Params
 from spes.data.tokens import TokenData
 from spes.errors import QuorumError
 from spes.round.aggregator import Aggregator
+from spes.round.context import RoundContext
 from spes.round.driver import HeldOutProbe, checkpoint_due, run_round
 from spes.round.node import node_round
 from spes.run.identity import settings_fingerprint
@@ -30,9 +31,16 @@ def _params(tmp_path, **sync) -> Params:
 _start = start_run
 
 
+def _writer(p, run) -> RoundContext:
+    """The flow's context: the driver and the aggregator share it (and the global manifests it keeps)."""
+    return RoundContext.build(p, run.name, run.store, writer=True)
+
+
 def _nodes(p, run, data, r):
+    """The nodes, each with a context of its own, as a node process has."""
     def run_nodes(nodes, checkpoint):
-        return {i: node_round(p, run.store, "r", r, i, data, checkpoint=checkpoint) for i in nodes}
+        return {i: node_round(RoundContext.build(p, run.name, run.store), r, i, data, checkpoint=checkpoint)
+                for i in nodes}
 
     return run_nodes
 
@@ -48,11 +56,12 @@ def test_storage_calls_per_round_do_not_grow_with_the_round_number(tmp_path, dat
     makes as many storage calls as round 5 (both checkpoint rounds, every checkpoint kept)."""
     p = _params(tmp_path, rounds=30)
     run = _start(p)
-    agg = Aggregator(p, run.store, "r")
+    ctx = _writer(p, run)
+    agg = Aggregator(ctx)
     calls = {}
     for r in range(1, 31):
         before = run.store.calls
-        rec = run_round(p, run, r, _nodes(p, run, data, r), lambda rerun, r=r: agg.aggregate(r, rerun_rejected=rerun),
+        rec = run_round(ctx, r, _nodes(p, run, data, r), lambda rerun, r=r: agg.aggregate(r, rerun_rejected=rerun),
                         checkpoint_due(p, r, 30))
         calls[r] = run.store.calls - before
         assert rec.aggregate.contributors == [0, 1]
@@ -66,8 +75,9 @@ def test_storage_calls_per_round_do_not_grow_with_the_round_number(tmp_path, dat
 def test_a_round_records_what_happened_and_a_missing_quorum_names_the_cause(tmp_path, data):
     p = _params(tmp_path, rounds=2)
     run = _start(p)
-    agg = Aggregator(p, run.store, "r")
-    rec = run_round(p, run, 1, _nodes(p, run, data, 1), lambda rerun: agg.aggregate(1, rerun_rejected=rerun),
+    ctx = _writer(p, run)
+    agg = Aggregator(ctx)
+    rec = run_round(ctx, 1, _nodes(p, run, data, 1), lambda rerun: agg.aggregate(1, rerun_rejected=rerun),
                     checkpoint=False, heldout=HeldOutProbe(p, data.folder))
     assert run.record(1) == rec and rec.heldout_loss is not None and rec.heldout_s > 0
     assert rec.tokens == 2 * 16 and [n.node for n in rec.nodes] == [0, 1] and all(n.ok for n in rec.nodes)
@@ -77,7 +87,7 @@ def test_a_round_records_what_happened_and_a_missing_quorum_names_the_cause(tmp_
         return {**rows, 1: NodeReport(1, "failed", error="NonFiniteLoss: node 1 round 2: loss is nan at step 1")}
 
     with pytest.raises(QuorumError, match=r"only nodes \[0\] committed.*; node 1: failed \(NonFiniteLoss: node 1 round 2"):
-        run_round(p, run, 2, one_fails, lambda rerun: agg.aggregate(2, rerun_rejected=rerun), checkpoint=False)
+        run_round(ctx, 2, one_fails, lambda rerun: agg.aggregate(2, rerun_rejected=rerun), checkpoint=False)
 
 
 def test_an_extended_wsd_run_equals_one_that_had_that_many_rounds_from_the_start(tmp_path, data):
@@ -97,9 +107,10 @@ def test_an_extended_wsd_run_equals_one_that_had_that_many_rounds_from_the_start
         return p
 
     def rounds(p, run, first, last):
-        agg = Aggregator(p, run.store, "r")
+        ctx = _writer(p, run)
+        agg = Aggregator(ctx)
         for r in range(first, last + 1):
-            run_round(p, run, r, _nodes(p, run, data, r), lambda rerun, r=r: agg.aggregate(r, rerun_rejected=rerun),
+            run_round(ctx, r, _nodes(p, run, data, r), lambda rerun, r=r: agg.aggregate(r, rerun_rejected=rerun),
                       checkpoint_due(p, r, last))
 
     def sha(run, r):
@@ -138,13 +149,72 @@ def test_a_membership_plan_leaves_and_joins_at_its_rounds(tmp_path, data):
     p = _params(tmp_path, num_nodes=2, rounds=5)
     p.orchestration.membership_plan = ["leave 1 after 2", "join 5 after 3"]
     run = _start(p)
-    agg = Aggregator(p, run.store, "r")
+    ctx = _writer(p, run)
+    agg = Aggregator(ctx)
     seen = {}
     for r in range(1, 6):
         def run_nodes(nodes, checkpoint, r=r):
             seen[r] = list(nodes)
-            return {i: node_round(p, run.store, "r", r, i, data) for i in nodes}
-        run_round(p, run, r, run_nodes, lambda rerun, r=r: agg.aggregate(r, None, rerun), False)
+            return _nodes(p, run, data, r)(nodes, checkpoint)
+        run_round(ctx, r, run_nodes, lambda rerun, r=r: agg.aggregate(r, None, rerun), False)
     assert seen == {1: [0, 1], 2: [0, 1], 3: [0], 4: [0, 5], 5: [0, 5]}
     assert run.global_meta(5).membership.owners == {0: [0, 1], 5: [2, 3]}
     assert run.global_meta(5).membership.slots == {0: 0, 5: 1}  # the leaver's data slot
+
+
+def test_the_flow_reads_no_global_manifest_in_a_steady_round(tmp_path, data, monkeypatch):
+    """The flow's context (the run's writer) keeps the globals it read or committed: in a steady round the
+    driver (members), the aggregator (global r-1) and retention (global r's index and node states) read none
+    from storage; the nodes, each with its own context, read global r-1 once each."""
+    from collections import Counter
+
+    from spes.errors import NotCommitted
+    from spes.storage.store import Store
+
+    p = _params(tmp_path, rounds=4)
+    run = _start(p)
+    flow = _writer(p, run)
+    agg = Aggregator(flow)
+    reads: Counter = Counter()
+    read_manifest = Store.read_manifest
+
+    def counted(self, rel):
+        reads[("flow" if self is flow.store else "node", rel)] += 1
+        return read_manifest(self, rel)
+
+    def nodes(r):
+        def run_nodes(members, checkpoint):
+            store = Store.from_config(p.storage)  # a node process's own
+            return {i: node_round(RoundContext.build(p, run.name, store), r, i, data) for i in members}
+        return run_nodes
+
+    monkeypatch.setattr(Store, "read_manifest", counted)
+    for r in (1, 2, 3):
+        reads.clear()
+        run_round(flow, r, nodes(r), lambda rerun, r=r: agg.aggregate(r, rerun_rejected=rerun), False)
+    flow_globals = {rel: n for (who, rel), n in reads.items() if who == "flow" and rel.endswith("/global")}
+    assert flow_globals == {}, flow_globals
+    assert reads[("node", "runs/r/rounds/000002/global")] == 2  # one read per node
+    moved = run.supersede_after(2)  # another handle (another writer) moves round 3 aside ...
+    assert moved == [3]
+    flow.run.forget_globals()  # ... which the flow sees when it takes the lease
+    with pytest.raises(NotCommitted, match="000003/global"):
+        flow.run.global_manifest(3)
+
+
+def test_a_writer_forgets_the_globals_it_moves_aside(tmp_path, data):
+    from spes.errors import NotCommitted
+
+    p = _params(tmp_path, rounds=2)
+    run = _start(p)
+    flow = _writer(p, run)
+    run_round(flow, 1, _nodes(p, run, data, 1), lambda rerun: Aggregator(flow).aggregate(1, rerun_rejected=rerun),
+              False)
+    sha = flow.run.global_manifest(1)["files"]["model.safetensors"]["sha256"]
+    assert flow.run.supersede_after(0) == [1]
+    with pytest.raises(NotCommitted):  # not the manifest it kept
+        flow.run.global_manifest(1)
+    run_round(flow, 1, _nodes(p, run, data, 1), lambda rerun: Aggregator(flow).aggregate(1, rerun_rejected=rerun),
+              False)  # recomputed: the same bits, read anew
+    assert flow.run.global_manifest(1)["files"]["model.safetensors"]["sha256"] == sha
+    assert flow.run.global_manifest(1)["written_at"] == run.global_manifest(1)["written_at"]

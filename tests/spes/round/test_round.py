@@ -8,8 +8,8 @@ from spes.data.tokens import TokenData
 from spes.errors import NodeStateError, NonFiniteLoss, QuorumError, UploadsRejected
 from spes.model.transformer import CausalLM
 from spes.round.aggregator import aggregate_round
+from spes.round.context import RoundContext
 from spes.round.fetch import delta_files
-from spes.round.inputs import NodeContext
 from spes.round.node import node_report, node_round
 from spes.run.identity import InitModel, settings_fingerprint
 from spes.run.layout import MODEL_FILE
@@ -47,8 +47,8 @@ def start(p: Params) -> Run:
 
 
 def do_round(p, run, data, r, nodes=(0, 1), **kw):
-    metas = [node_round(p, run.store, "r", r, i, data) for i in nodes]
-    return metas, aggregate_round(p, run.store, "r", r, **kw)
+    metas = [node_round(RoundContext.build(p, "r", run.store), r, i, data) for i in nodes]
+    return metas, aggregate_round(RoundContext.build(p, "r", run.store), r, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -167,9 +167,9 @@ def test_fedadam_keeps_two_moments_per_tensor_beside_the_global_exact(tmp_path, 
 def test_a_retried_node_round_is_idempotent(tmp_path, data):
     p = make_params(tmp_path)
     run = start(p)
-    first = node_round(p, run.store, "r", 1, 0, data)
+    first = node_round(RoundContext.build(p, "r", run.store), 1, 0, data)
     before = run.store.read_manifest(run.layout.node_dir(1, 0))
-    again = node_round(p, run.store, "r", 1, 0, data)
+    again = node_round(RoundContext.build(p, "r", run.store), 1, 0, data)
     assert run.store.read_manifest(run.layout.node_dir(1, 0)) == before  # not recomputed, not rewritten
     assert again.upload == first.upload and again.bytes_up == first.bytes_up
 
@@ -178,10 +178,10 @@ def test_quorum_and_a_node_that_misses_a_round(tmp_path, data):
     p = make_params(tmp_path)
     run = start(p)
     do_round(p, run, data, 1)
-    node_round(p, run.store, "r", 2, 0, data)
+    node_round(RoundContext.build(p, "r", run.store), 2, 0, data)
     with pytest.raises(QuorumError, match=r"round 2: only nodes \[0\] committed, quorum is 2 of 2"):
-        aggregate_round(p, run.store, "r", 2)
-    agg = aggregate_round(p, run.store, "r", 2, min_nodes=1)
+        aggregate_round(RoundContext.build(p, "r", run.store), 2)
+    agg = aggregate_round(RoundContext.build(p, "r", run.store), 2, min_nodes=1)
     assert (agg.contributors, agg.missing) == ([0], [1])
     assert agg.node_states[1].round == 1  # node 1 continues from its round-1 state
     g1, g2 = _global(run, 1), _global(run, 2)
@@ -204,15 +204,15 @@ def test_a_corrupt_committed_upload_is_that_nodes_failure(tmp_path, data):
     run = start(p)
     do_round(p, run, data, 1)
     for i in (0, 1):
-        node_round(p, run.store, "r", 2, i, data)
+        node_round(RoundContext.build(p, "r", run.store), 2, i, data)
     f = tmp_path / "s-storage/runs/r/rounds/000002/nodes/000/shared.safetensors"
     f.write_bytes(f.read_bytes()[:-100])  # truncated after its commit
     with pytest.raises(UploadsRejected, match="node 0: .*nodes/000/shared.safetensors: (truncated|sha256/size)"):
-        aggregate_round(p, run.store, "r", 2, rerun_rejected=True)
+        aggregate_round(RoundContext.build(p, "r", run.store), 2, rerun_rejected=True)
     assert not run.store.exists(run.layout.node_dir(2, 0))  # set aside, so the node can run the round again
     assert run.store.list_names("runs/r/rejected")[0].startswith("000002-000-")
-    node_round(p, run.store, "r", 2, 0, data)  # re-run from its round-1 state: the same upload
-    aggregate_round(p, run.store, "r", 2, rerun_rejected=True)
+    node_round(RoundContext.build(p, "r", run.store), 2, 0, data)  # re-run from its round-1 state: the same upload
+    aggregate_round(RoundContext.build(p, "r", run.store), 2, rerun_rejected=True)
     do_round(p, run, data, 3)
     assert run.store.read_manifest(run.layout.global_dir(3))["files"][MODEL_FILE]["sha256"] == _reference(tmp_path, data)
 
@@ -220,11 +220,11 @@ def test_a_corrupt_committed_upload_is_that_nodes_failure(tmp_path, data):
 def test_a_corrupt_upload_is_left_out_under_the_quorum(tmp_path, data):
     p = make_params(tmp_path)
     run = start(p)
-    node_round(p, run.store, "r", 1, 0, data)
-    node_round(p, run.store, "r", 1, 1, data)
+    node_round(RoundContext.build(p, "r", run.store), 1, 0, data)
+    node_round(RoundContext.build(p, "r", run.store), 1, 1, data)
     m = tmp_path / "s-storage/runs/r/rounds/000001/nodes/001/experts.safetensors"
     m.write_bytes(m.read_bytes()[:-1] + b"\x00")
-    agg = aggregate_round(p, run.store, "r", 1, min_nodes=1)
+    agg = aggregate_round(RoundContext.build(p, "r", run.store), 1, min_nodes=1)
     assert agg.contributors == [0] and "experts.safetensors" in agg.rejected[1]
 
 
@@ -232,13 +232,13 @@ def test_a_delta_against_another_base_is_rejected(tmp_path, data):
     p = make_params(tmp_path)
     run = start(p)
     do_round(p, run, data, 1)
-    node_round(p, run.store, "r", 2, 0, data)
+    node_round(RoundContext.build(p, "r", run.store), 2, 0, data)
     b = run.store.read_bundle(run.layout.node_dir(2, 0))
     run.store.remove(run.layout.node_dir(2, 0))
     run.store.write_bundle(run.layout.node_dir(2, 0), b.files, {**b.meta, "base_round": 0,
                                                                   "base_sha256": "f" * 64})
     with pytest.raises(UploadsRejected, match="its delta is against global 0 \\(ffffffffffff\\), not the committed global 1"):
-        aggregate_round(p, run.store, "r", 2, rerun_rejected=True)
+        aggregate_round(RoundContext.build(p, "r", run.store), 2, rerun_rejected=True)
 
 
 def test_node_state_is_the_one_the_global_was_built_with(tmp_path, data):
@@ -248,27 +248,27 @@ def test_node_state_is_the_one_the_global_was_built_with(tmp_path, data):
     run = start(p)
     do_round(p, run, data, 1)
     for i in (0, 1):
-        node_round(p, run.store, "r", 2, i, data, checkpoint=True)
-    aggregate_round(p, run.store, "r", 2)
+        node_round(RoundContext.build(p, "r", run.store), 2, i, data, checkpoint=True)
+    aggregate_round(RoundContext.build(p, "r", run.store), 2)
     local = NodeStateDir(node_state_root(p), run.store.url, "r", run.info()["run_id"], 0)
     local.local.remove("rounds/000002")  # the node's own copy is lost: the checkpoint serves
     do_round(p, run, data, 3)
     assert run.store.read_manifest(run.layout.global_dir(3))["files"][MODEL_FILE]["sha256"] == _reference(tmp_path, data)
     local.local.remove("rounds/000003")  # round 3 was no checkpoint round: nothing to fall back to
     with pytest.raises(NodeStateError, match=r"node 0: its state after round 3 .* round 3 is no checkpoint round"):
-        node_round(p, run.store, "r", 4, 0, data)
+        node_round(RoundContext.build(p, "r", run.store), 4, 0, data)
     assert not run.store.exists(run.layout.node_dir(4, 0))
 
     # its machine lost, node 0 may continue elsewhere from its latest checkpoint (round 2), saying so
     from spes.round.inputs import read_inputs
 
-    inputs = read_inputs(NodeContext.build(p, run.store, "r"), 4, 0, from_checkpoint=True)
+    inputs = read_inputs(RoundContext.build(p, "r", run.store), 4, 0, from_checkpoint=True)
     assert (inputs.state.round, inputs.state.digest) == (2, run.global_meta(2).node_states[0].digest)
     assert inputs.state.source.startswith(run.store.url) and inputs.prev_sha == \
         run.store.read_manifest(run.layout.global_dir(3))["files"][MODEL_FILE]["sha256"]  # the model: global 3
-    assert read_inputs(NodeContext.build(p, run.store, "r"), 4, 1, from_checkpoint=True).state.round == 3  # node 1 has its own
+    assert read_inputs(RoundContext.build(p, "r", run.store), 4, 1, from_checkpoint=True).state.round == 3  # node 1 has its own
     assert run.last_checkpointed_state(0, 1) == (0, None)  # before any checkpoint: a fresh state
-    node_round(p, run.store, "r", 4, 0, data, from_checkpoint=True)
+    node_round(RoundContext.build(p, "r", run.store), 4, 0, data, from_checkpoint=True)
     assert run.store.exists(run.layout.node_dir(4, 0))
 
 
@@ -278,7 +278,7 @@ def test_non_finite_loss_stops_the_node_and_commits_nothing(tmp_path, data):
     p.sync.every_steps = 6
     run = start(p)
     with pytest.raises(NonFiniteLoss, match=r"node 0 round 1: (loss is nan at step \d|.* is not finite after step 5)"):
-        node_round(p, run.store, "r", 1, 0, data)
+        node_round(RoundContext.build(p, "r", run.store), 1, 0, data)
     assert not run.store.exists(run.layout.node_dir(1, 0))
 
 
@@ -291,7 +291,7 @@ def test_loss_settings_come_from_the_runs_params_not_round_zeros_config(tmp_path
         run = start(p)  # round 0 records the default coefficients
         if coef is not None:
             p.model.z_loss_coef = p.model.lm_head_z_loss_coef = coef
-        node_round(p, run.store, "r", 1, 0, data)
+        node_round(RoundContext.build(p, "r", run.store), 1, 0, data)
         shas.append(run.store.read_manifest(run.layout.node_dir(1, 0))["files"]["shared.safetensors"]["sha256"])
     assert shas[0] != shas[1]
 
@@ -313,8 +313,8 @@ def test_a_finished_run_keeps_on_the_node_machine_only_what_a_resume_needs(tmp_p
     for r in (1, 2):  # "done" to its end (its last round checkpointed, as the flow does); "open" one round
         for name in ("done", "open")[:1 if r == 2 else 2]:
             for i in (0, 1):
-                node_round(p, store, name, r, i, data, checkpoint=name == "done" and r == 2)
-            aggregate_round(p, store, name, r)
+                node_round(RoundContext.build(p, name, store), r, i, data, checkpoint=name == "done" and r == 2)
+            aggregate_round(RoundContext.build(p, name, store), r)
     folder = os.path.join(node_state_root(p), os.listdir(node_state_root(p))[0])
 
     def held():
@@ -332,7 +332,7 @@ def test_a_finished_run_keeps_on_the_node_machine_only_what_a_resume_needs(tmp_p
     # once retention lets global 1 go, nothing local is needed: node 0's first round of another run on this
     # machine removes the finished run's folder for node 0
     assert runs["done"].retire(2, 1) == [1]
-    node_round(p, store, "next", 1, 0, data)
+    node_round(RoundContext.build(p, "next", store), 1, 0, data)
     assert held() == {"done": {"node-001": ["rounds"]}, "open": {"node-000": ["base", "rounds"],
                       "node-001": ["base", "rounds"]}, "next": {"node-000": ["base", "rounds"]}}
     assert forget_finished_run(p, store, "done", 1).endswith("node-001")
@@ -356,7 +356,7 @@ def test_averaged_optimizer_state_is_the_weighted_mean_of_the_nodes_moments(tmp_
         assert torch.equal(t, weighted_sum([ups[0][k], ups[1][k]], [0.5, 0.5])), k
         assert not torch.equal(ups[0][k], ups[1][k])
     for i in (0, 1):
-        optim = read_inputs(NodeContext.build(p, run.store, "r"), 2, i).state.optim
+        optim = read_inputs(RoundContext.build(p, "r", run.store), 2, i).state.optim
         assert all(torch.equal(optim[k], mean[k]) for k in mean)
         assert any(".experts." in k for k in optim)  # its own experts keep their own moments
     plain = make_params(tmp_path, name="plain")
@@ -401,8 +401,8 @@ def test_a_node_reads_each_manifest_once_per_round(tmp_path, data, monkeypatch):
     monkeypatch.setattr(Store, "read_manifest", counted)
     for r in (1, 2, 3):
         reads.clear()
-        node_round(p, run.store, "r", r, 0, data)
+        node_round(RoundContext.build(p, "r", run.store), r, 0, data)
         assert reads and max(reads.values()) == 1, (r, reads)
-        node_round(p, run.store, "r", r, 1, data)
-        aggregate_round(p, run.store, "r", r)
+        node_round(RoundContext.build(p, "r", run.store), r, 1, data)
+        aggregate_round(RoundContext.build(p, "r", run.store), r)
     assert {rel for _, rel in reads} >= {"base", "rounds/000002", "runs/r/rounds/000002/delta"}  # round 3's

@@ -8,6 +8,7 @@ import pytest
 
 from spes.errors import ConfigError
 from spes.model.names import canonical_shapes
+from spes.sync.methods import sync_method
 from spes.sync.traffic import largest_node_traffic
 from spes.train.link_plan import link_plan, parse_duration, parse_rate, train_flops_per_token
 from tests.conftest import ROOT, tiny_params
@@ -35,7 +36,7 @@ def test_the_flops_of_a_token():
 
 def test_a_rounds_time_is_its_bytes_at_the_rate_plus_a_round_trip_per_file():
     p = tiny_params()
-    t = largest_node_traffic(p)
+    t = largest_node_traffic(p, sync_method(p))
     plan = link_plan(p, 1, 1e6, 0.04, tflops=1e-3, mfu=0.5)
     assert plan["up_s"] == t.up_bytes * 8 / 1e6 + len(t.up) * 0.04
     assert plan["down_s"] == t.down_bytes * 8 / 1e6 + len(t.down) * 0.04

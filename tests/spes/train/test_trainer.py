@@ -4,6 +4,7 @@ import torch
 
 from spes.config.schema import OptimConfig
 from spes.model.transformer import CausalLM
+from spes.train.planned_nodes import planned_nodes
 from spes.train.schedule import lr_at
 from spes.train.trainer import Trainer, build_node_trainer
 from tests.conftest import tiny_config, tiny_params
@@ -59,13 +60,13 @@ def test_frozen_experts_in_bf16_and_optimizer_state_roundtrip():
 def test_build_node_trainer_follows_the_ownership_settings():
     s = tiny_params()
     s.train.frozen_dtype = "bfloat16"
-    assert build_node_trainer(s, CausalLM(tiny_config()), 1).owned == (2, 3)
+    assert build_node_trainer(s, CausalLM(tiny_config()), planned_nodes(s).owned[1]).owned == (2, 3)
     s.sync.ownership = [[1], [0, 2, 3]]
-    tr = build_node_trainer(s.validate(), CausalLM(tiny_config()), 0)
+    tr = build_node_trainer(s.validate(), CausalLM(tiny_config()), planned_nodes(s).owned[0])
     assert tr.owned == (1,)
     assert {c.gate_up_proj.dtype for c in tr.model.moe_layers()[0].experts.chunks if not c.trainable} == {torch.bfloat16}
     s.sync.method, s.sync.ownership = "diloco", None
-    assert build_node_trainer(s.validate(), CausalLM(tiny_config()), 1).owned == (0, 1, 2, 3)
+    assert build_node_trainer(s.validate(), CausalLM(tiny_config()), planned_nodes(s).owned[1]).owned == (0, 1, 2, 3)
 
 
 def _pair(seed=3, **kw):
@@ -149,7 +150,7 @@ def test_activation_checkpointing_gives_the_same_numbers():
 def test_build_node_trainer_applies_micro_batches_and_checkpointing():
     s = tiny_params()
     s.train.micro_batch_size, s.train.activation_checkpointing = 2, "block"
-    tr = build_node_trainer(s.validate(), CausalLM(tiny_config()), 0)
+    tr = build_node_trainer(s.validate(), CausalLM(tiny_config()), planned_nodes(s).owned[0])
     assert tr.micro_batch_size == 2 and tr.model.activation_checkpointing
 
 
@@ -163,7 +164,7 @@ def test_compiled_blocks_train_like_eager_and_replay_exactly():
         torch.manual_seed(6)
         model = CausalLM(tiny_config())
         s.train.compile = compiled
-        tr = build_node_trainer(s, model, 0)
+        tr = build_node_trainer(s, model, planned_nodes(s).owned[0])
         x = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(6))
         runs.append([tr.train_step(x, x, step).ce.item() for step in range(2)] + [model.canonical_state_dict()])
     eager, comp, again = runs
@@ -177,7 +178,7 @@ def test_state_bytes_counts_weights_gradients_and_adam_as_the_planner_does():
     cfg = tiny_config()
     s = tiny_params()
     s.train.frozen_dtype = "bfloat16"
-    tr = build_node_trainer(s, CausalLM(cfg), 1)
+    tr = build_node_trainer(s, CausalLM(cfg), planned_nodes(s).owned[1])
     x = torch.randint(0, 96, (2, 8))
     tr.train_step(x, x, 0)
     plan = node_memory(s, 1)
