@@ -21,7 +21,7 @@ def write_file_bundle(store: Store, rel: str, local_files: dict[str, str], meta:
     for fname, local in local_files.items():
         def upload(local=local, fname=fname):
             h = hashlib.sha256()
-            with open(local, "rb") as src, store.fs.open(store.path(rel, fname), "wb") as dst:
+            with open(local, "rb") as src, store.writer(f"{rel}/{fname}") as dst:
                 for chunk in iter(lambda: src.read(CHUNK), b""):
                     h.update(chunk)
                     dst.write(chunk)
@@ -51,7 +51,7 @@ def fetch_file_bundle(store: Store, rel: str, dest: str) -> dict:
 
         def download():
             h, n = hashlib.sha256(), 0
-            with store.fs.open(store.path(rel, fname), "rb") as src, open(part, "wb") as dst:
+            with store.reader(f"{rel}/{fname}", entry["bytes"]) as src, open(part, "wb") as dst:
                 for chunk in iter(lambda: src.read(CHUNK), b""):
                     h.update(chunk)
                     n += len(chunk)

@@ -1,8 +1,10 @@
 """The byte layer of shared storage (fsspec: a local folder or s3://): safe paths, bounded and retried calls,
 whole-file writes, and counters of every call and byte.
 
-Every call goes through one `RetryPolicy` (spes/storage/retry.py), streams included (opening them; a stream
-that breaks midway surfaces as StoreUnavailable and the caller's unit of work, a bundle, is redone whole).
+Every call goes through one `RetryPolicy` (spes/storage/retry.py), streams included: on S3 a large file moves
+part by part, each part retried alone (`writer`, `reader`: spes/storage/parts.py), so a dropped connection
+costs one part; a stream that still fails surfaces as StoreUnavailable and the caller's unit of work, a
+bundle, is redone whole.
 Paths are relative to the store's root and may not leave it. What the files mean is the bundle format's
 business (spes/storage/store.py).
 """
@@ -10,19 +12,20 @@ from __future__ import annotations
 
 import os
 import posixpath
-from typing import BinaryIO, Callable, Optional, TypeVar
+from typing import BinaryIO, Callable, Optional, TypeVar, cast
 
 import fsspec
 
 from spes.errors import StorageError, UnsafePath
 from spes.storage.atomic import atomic_create, atomic_write
+from spes.storage.parts import PART_BYTES, PartUpload, RangedRead
 from spes.storage.retry import RetryPolicy, is_access_denied
 
 _S = TypeVar("_S", bound="FileStore")
 
 class FileStore:
     def __init__(self, url: str, options: Optional[dict] = None, timeout_s: float = 30.0, retries: int = 4,
-                 backoff_s: float = 0.5):
+                 backoff_s: float = 0.5, part_bytes: int = PART_BYTES):
         opts = dict(options or {})
         protocol = url.split("://")[0] if "://" in url else "file"
         if protocol == "s3":
@@ -43,6 +46,7 @@ class FileStore:
         self.policy = RetryPolicy(retries, backoff_s, where=f"storage {url}")
         self.bytes_read = self.bytes_written = 0  # every byte this store moved (traffic reports)
         self.calls = 0  # every storage call (tests bound the calls a round makes)
+        self.part_bytes = part_bytes  # S3: what a dropped connection costs at most (spes/storage/parts.py)
         if protocol == "file":
             self.fs.makedirs(self.root, exist_ok=True)
         self.real_root = os.path.realpath(self.root) if protocol == "file" else self.root
@@ -97,8 +101,13 @@ class FileStore:
     def exists(self, rel: str) -> bool:
         return self._io(f"exists {rel}", self.fs.exists, self.path(rel))
 
-    def read_bytes(self, rel: str) -> bytes:
-        data = self._io(f"read {rel}", self.fs.cat_file, self.path(rel))
+    def read_bytes(self, rel: str, size: Optional[int] = None) -> bytes:
+        """The whole file; `size` (as a manifest gives it): a large file on S3 is read part by part."""
+        if size is not None and self.protocol == "s3" and size > self.part_bytes:
+            with self.reader(rel, size) as f:
+                data = f.read()
+        else:
+            data = self._io(f"read {rel}", self.fs.cat_file, self.path(rel))
         self.bytes_read += len(data)
         return data
 
@@ -137,6 +146,27 @@ class FileStore:
     def open(self, rel: str, mode: str) -> BinaryIO:
         """A file object for streaming ('rb' or 'wb'); opening it goes through the retry policy."""
         return self._io(f"open {rel}", self.fs.open, self.path(rel), mode)
+
+    def writer(self, rel: str) -> BinaryIO:
+        """A file object writing `rel` whole: on S3 a multipart upload, each part a retried call of its own and
+        nothing visible unless it completes (spes/storage/parts.py); elsewhere the plain file, which the
+        caller opens and writes under one retried call (`_io`)."""
+        if self.protocol != "s3":
+            return self.fs.open(self.path(rel), "wb")
+        return cast(BinaryIO, PartUpload(self.fs, self.path(rel), self.policy, f"write {rel}", self.part_bytes,
+                                         self._count_call))
+
+    def reader(self, rel: str, size: int) -> BinaryIO:
+        """A file object reading `rel` (`size` bytes, as its manifest says): on S3 a file over one part as
+        ranged reads, each a retried call of its own; elsewhere the plain file (opened under the caller's
+        retried call)."""
+        if self.protocol != "s3" or size <= self.part_bytes:
+            return self.fs.open(self.path(rel), "rb")
+        return cast(BinaryIO, RangedRead(self.fs, self.path(rel), size, self.policy, f"read {rel}", self.part_bytes,
+                                         self._count_call))
+
+    def _count_call(self) -> None:
+        self.calls += 1
 
     def makedirs(self, rel: str) -> None:
         self._io(f"makedirs {rel}", self.fs.makedirs, self.path(rel), exist_ok=True)

@@ -75,11 +75,11 @@ class Store(FileStore):
     def open_reader(self, rel: str, fname: str, entry: dict) -> Iterator[TensorReader]:
         """Stream one safetensors file of a committed bundle tensor by tensor; verified when the block ends."""
         try:
-            f = self.open(f"{rel}/{fname}", "rb")
-        except FileNotFoundError:
+            f = self._io(f"open {rel}/{fname}", self.reader, f"{rel}/{fname}", entry["bytes"])
+            reader = TensorReader(f, f"{self.url}/{rel}/{fname}", entry["sha256"], entry["bytes"])
+        except FileNotFoundError:  # at the open, or at the first range of a ranged read
             raise IntegrityError(f"{self.url}/{rel}/{fname} is missing") from None
         with f:
-            reader = TensorReader(f, f"{self.url}/{rel}/{fname}", entry["sha256"], entry["bytes"])
             yield reader
             reader.finish()
             self.bytes_read += reader.n
@@ -123,7 +123,7 @@ class Store(FileStore):
     def read_verified(self, rel: str, fname: str, entry: dict) -> bytes:
         """One file of a bundle, checked against its manifest entry (size and sha256)."""
         try:
-            blob = self.read_bytes(f"{rel}/{fname}")
+            blob = self.read_bytes(f"{rel}/{fname}", entry["bytes"])
         except FileNotFoundError:
             raise IntegrityError(f"{self.url}/{rel}/{fname} is missing") from None
         if len(blob) != entry["bytes"] or sha256_bytes(blob) != entry["sha256"]:
@@ -179,7 +179,7 @@ class BundleWriter:
 
     def add(self, fname: str, tensors: dict[str, torch.Tensor]) -> dict:
         def write():
-            with self.store.fs.open(self.store.path(self.rel, fname), "wb") as f:
+            with self.store.writer(f"{self.rel}/{fname}") as f:
                 return write_tensors(f, tensors)
 
         sha, n = self.store._io(f"write {self.rel}/{fname}", write)
@@ -190,7 +190,7 @@ class BundleWriter:
     @contextlib.contextmanager
     def stream(self, fname: str, specs) -> Iterator[TensorWriter]:
         specs = list(specs)
-        with self.store.open(f"{self.rel}/{fname}", "wb") as f:
+        with self.store._io(f"open {self.rel}/{fname}", self.store.writer, f"{self.rel}/{fname}") as f:
             w = TensorWriter(f, specs)
             yield w
             sha, n = w.close()
