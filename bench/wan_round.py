@@ -9,7 +9,9 @@ records of the middle rounds (round 1 pays the processes' start and the token fe
 checkpoints every node's state to shared storage): per round the wall time and
 its parts: the slowest node's download (reading global r-1 and its state), train and upload (its files), the
 aggregation, and what is left (idle: the manifests and commit markers, the heartbeats, the orchestrator's and
-Prefect's share), and the ratio of wall time to compute, side by side per rate.
+Prefect's share), and the ratio of wall time to compute, side by side per rate; and the bytes each round put
+on the node's interface (its veth's counters, read at each global's commit) beside what the storage layer
+counted for the round (MB up/down: the files and manifests a node read and wrote).
 
     python bench/wan_round.py [--rates 100,20,4] [--rtt-ms 40] [--loss 0.001] [--rounds 4] [--json]
 
@@ -79,6 +81,7 @@ def run_at(rate_mbit: float, a, env: dict, api: str, endpoint: str, pfile: str, 
     from spes.storage.store import Store
 
     services = {"s3": service(endpoint), "prefect": service(api)}
+    store = Store.from_config(load_params(pfile).storage)
     link = Link(rate_mbit * 1e6, a.rtt_ms / 1000, a.loss)
     run = f"wan-{rate_mbit:g}mbit"
     with SlowLinks([link, link], services) as net:
@@ -90,19 +93,62 @@ def run_at(rate_mbit: float, a, env: dict, api: str, endpoint: str, pfile: str, 
             code = ("import sys; from pipelines.training import spes_training; "
                     "spes_training(params_path=sys.argv[1], stage='all', run_name=sys.argv[2])")
             t = time.time()
-            out = subprocess.run([sys.executable, "-c", code, pfile, run], env=dict(env, AWS_ENDPOINT_URL_S3=endpoint),
-                                 capture_output=True, text=True, timeout=60 * (5 + 3 * a.rounds))
+            with RoundCounters(Run(store, run), net, a.rounds) as counters:
+                out = subprocess.run([sys.executable, "-c", code, pfile, run],
+                                     env=dict(env, AWS_ENDPOINT_URL_S3=endpoint), capture_output=True, text=True,
+                                     timeout=60 * (5 + 3 * a.rounds))
             if out.returncode:
                 raise SystemExit(f"wan_round: the {run} run failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
             iface = [tuple(x - y for x, y in zip(n.interface_bytes(), b)) for n, b in zip(net.nodes, before)]
         finally:
             for proc in procs:
                 stop_process_group(proc, 15)
-    store = Store.from_config(load_params(pfile).storage)
     res = parts_of(Run(store, run).records(2, a.rounds - 1))
     res.update(rate_mbit=rate_mbit, flow_s=time.time() - t,
-               interface_bytes_up=max(u for u, _ in iface), interface_bytes_down=max(d for _, d in iface))
+               interface_bytes_up=max(u for u, _ in iface), interface_bytes_down=max(d for _, d in iface),
+               **counters.per_round(2, a.rounds - 1))
     return res
+
+
+class RoundCounters:
+    """Each node's interface byte counters (up, down) read when each global is committed (polled from here,
+    over loopback: the polling crosses no node's link), so a round's bytes on the wire can be set beside
+    what the storage layer counted for it. Round r's share: from global r-1's commit to global r's."""
+
+    def __init__(self, run, net: SlowLinks, rounds: int):
+        import threading
+
+        self.run, self.net, self.rounds = run, net, rounds
+        self.at: dict[int, list[tuple[int, int]]] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> "RoundCounters":
+        self.at[0] = [n.interface_bytes() for n in self.net.nodes]
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(10)
+
+    def _watch(self) -> None:
+        r = 1
+        while r <= self.rounds and not self.stop.is_set():
+            if self.run.store.is_committed(self.run.layout.global_dir(r)):
+                self.at[r] = [n.interface_bytes() for n in self.net.nodes]
+                r += 1
+            else:
+                time.sleep(0.1)
+
+    def per_round(self, first: int, last: int) -> dict:
+        """The mean over rounds first..last of the largest node's bytes up and down on its interface."""
+        rounds = [r for r in range(first, last + 1) if r in self.at and r - 1 in self.at]
+        if not rounds:
+            return {}
+        up = [max(now[0] - then[0] for now, then in zip(self.at[r], self.at[r - 1])) for r in rounds]
+        down = [max(now[1] - then[1] for now, then in zip(self.at[r], self.at[r - 1])) for r in rounds]
+        return {"interface_bytes_up_per_round": sum(up) / len(up), "interface_bytes_down_per_round": sum(down) / len(down)}
 
 
 def main() -> None:
@@ -165,11 +211,14 @@ def main() -> None:
         stop_process_group(server, 15)
         s3.stop()
     print(f"{'Mbit/s':>7} {'wall s':>7} {'down s':>7} {'train s':>8} {'up s':>6} {'agg s':>6} {'idle s':>7} "
-          f"{'transfer/compute':>17} {'wall/compute':>13} {'MB up':>6} {'MB down':>8}")
+          f"{'transfer/compute':>17} {'wall/compute':>13} {'MB up':>6} {'MB down':>8} {'wire MB up':>11} "
+          f"{'wire MB down':>13}")
     for r in results:
         print(f"{r['rate_mbit']:>7g} {r['wall_s']:>7.1f} {r['download_s']:>7.1f} {r['train_s']:>8.1f} "
               f"{r['upload_s']:>6.1f} {r['aggregate_s']:>6.1f} {r['idle_s']:>7.1f} {r['transfer_over_compute']:>17.2f} "
-              f"{r['wall_over_compute']:>13.2f} {r['bytes_up'] / 1e6:>6.2f} {r['bytes_down'] / 1e6:>8.2f}")
+              f"{r['wall_over_compute']:>13.2f} {r['bytes_up'] / 1e6:>6.2f} {r['bytes_down'] / 1e6:>8.2f} "
+              f"{r.get('interface_bytes_up_per_round', 0) / 1e6:>11.2f} "
+              f"{r.get('interface_bytes_down_per_round', 0) / 1e6:>13.2f}")
     if a.json:
         print(json.dumps({"rtt_ms": a.rtt_ms, "loss": a.loss, "rounds": a.rounds, "cases": results}))
 
