@@ -18,7 +18,14 @@ from omegaconf.errors import OmegaConfBaseException
 from spes.config.loader import params_from_dict, to_dict
 from spes.config.schema import Params, check_name
 from spes.errors import ConfigError
-from spes.eval.stats import mean_std, paired_difference, seed_differences, seed_se, verdict
+from spes.eval.stats import (
+    mean_std,
+    paired_difference,
+    paired_difference_by_document,
+    seed_differences,
+    seed_se,
+    verdict,
+)
 from spes.sync.methods import sync_method
 
 FIXED_PREFIXES = ("tokenize.", "init.", "dense.", "storage.", "artifacts_dir", "orchestration.run_name", "compare.",
@@ -165,7 +172,8 @@ def summarize(p: Params, results: list[dict]) -> dict:
 def paired_comparisons(p: Params, runs: dict) -> list[dict]:
     """compare.pairs: per pair, budget and learning rate both ran, variant minus reference paired by seed and
     held-out window (`runs`: (variant, budget, lr) -> results): the mean difference, its document-clustered SE,
-    each seed's difference, their SE over seeds and the verdict."""
+    each seed's difference, their SE over seeds and the verdict; and the same with every held-out document
+    weighing the same (`doc_*`: its mean, SE over documents and verdict)."""
     out = []
     for variant, reference in p.compare.pairs.items():
         for budget in p.compare.budgets:
@@ -175,10 +183,13 @@ def paired_comparisons(p: Params, runs: dict) -> list[dict]:
                 if not seeds:
                     continue
                 diff, se = paired_difference(ran, runs.get((reference, budget, lr), []))
+                doc_diff, doc_se, doc_seeds = paired_difference_by_document(ran, runs.get((reference, budget, lr), []))
                 per_seed = [d for d, _ in seeds]
                 out.append({"variant": variant, "reference": reference, "budget": budget, "lr": lr,
                             "seeds": len(per_seed), "diff": diff, "diff_se": se, "per_seed": per_seed,
-                            "seed_se": seed_se(per_seed), "verdict": verdict(diff, se, per_seed)})
+                            "seed_se": seed_se(per_seed), "verdict": verdict(diff, se, per_seed),
+                            "doc_diff": doc_diff, "doc_diff_se": doc_se,
+                            "doc_verdict": verdict(doc_diff, doc_se, doc_seeds) if doc_seeds else "-"})
     return out
 
 
@@ -242,4 +253,5 @@ CSV_COLUMNS = ["variant", "budget", "seeds", "lr", "heldout_loss_mean", "heldout
                "ratio_to_centralized", "diff_to_baseline", "diff_to_baseline_se", "tokens",
                "trainable_params_per_node", "memory_bytes_per_node", "peak_bytes_per_node",
                "bytes_per_node_per_round", "wall_s", "num_experts", "state_bytes_per_node"]
-PAIR_COLUMNS = ["variant", "reference", "budget", "lr", "seeds", "diff", "diff_se", "per_seed", "seed_se", "verdict"]
+PAIR_COLUMNS = ["variant", "reference", "budget", "lr", "seeds", "diff", "diff_se", "per_seed", "seed_se", "verdict",
+                "doc_diff", "doc_diff_se", "doc_verdict"]

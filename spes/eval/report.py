@@ -69,13 +69,19 @@ def _pairs_section(summary: dict) -> list[str]:
             "per-window difference) away from zero and outside the seeds' 95% t interval (t quantile for n-1 degrees "
             f"of freedom x the SE over seeds), every seed on the same side; marked '(< {MIN_SEEDS_FOR_A_CLAIM} seeds)' "
             "with fewer seeds, which is no claim; otherwise 'within noise'.\n",
+            "Per document: the same difference with every held-out document weighing the same, however many "
+            "windows it has (the mean over documents of each document's mean window difference; SE over "
+            "documents; the verdict by the same rule with each seed's per-document mean). Where the two "
+            "columns disagree, a few long documents decide the window-weighted one.\n",
             "| variant | reference | budget | lr | seeds | difference | document-clustered SE | per seed | "
-            "SE over seeds | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
+            "SE over seeds | verdict | per document | its SE | its verdict |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in summary["pairs"]:
         seed_se = "-" if x["seed_se"] is None else f"{x['seed_se']:.4f}"
+        doc = (f"{x['doc_diff']:+.4f} | {x['doc_diff_se']:.4f}" if x.get("doc_diff") is not None else "- | -")
         out.append(f"| {x['variant']} | {x['reference']} | {x['budget']}x | {x['lr']:g} | {x['seeds']} | "
                    f"{x['diff']:+.4f} | {x['diff_se']:.4f} | {', '.join(f'{d:+.4f}' for d in x['per_seed'])} | "
-                   f"{seed_se} | {x['verdict']} |")
+                   f"{seed_se} | {x['verdict']} | {doc} | {x.get('doc_verdict', '-')} |")
     return out
 
 

@@ -62,6 +62,33 @@ def paired_difference(runs: list[dict], base_runs: list[dict]) -> tuple[Optional
     return statistics.fmean(averaged), clustered_se(averaged, docs[0] if docs else None)
 
 
+def paired_difference_by_document(runs: list[dict], base_runs: list[dict]) -> tuple[Optional[float], Optional[float], list[float]]:
+    """The same comparison with every held-out document weighing the same, however many windows it has (a few
+    long files hold most of the windows of the default split): per document, the mean over its windows of the
+    seed-averaged difference; their mean, its SE over documents, and each seed's per-document mean. None, None
+    and [] without the windows' documents (results written before they were recorded)."""
+    pairs = _paired_windows(runs, base_runs)
+    if not pairs or any(docs is None for _, docs in pairs):
+        return None, None, []
+    width, docs = len(pairs[0][0]), pairs[0][1]
+    assert docs is not None
+    if any(len(d) != width or g != docs for d, g in pairs):
+        raise DataError("the seeds were scored on different held-out windows: a per-document difference needs "
+                        "the same split")
+
+    def by_document(values: list[float]) -> list[float]:
+        groups: dict[int, list[float]] = {}
+        for v, g in zip(values, docs):
+            groups.setdefault(g, []).append(v)
+        return [statistics.fmean(groups[g]) for g in sorted(groups)]
+
+    per_doc = by_document([statistics.fmean(d[w] for d, _ in pairs) for w in range(width)])
+    if len(per_doc) < 2:
+        return statistics.fmean(per_doc), float("nan"), []
+    se = statistics.stdev(per_doc) / math.sqrt(len(per_doc))
+    return statistics.fmean(per_doc), se, [statistics.fmean(by_document(d)) for d, _ in pairs]
+
+
 def _paired_windows(runs: list[dict], base_runs: list[dict]) -> list[tuple[list[float], Optional[list[int]]]]:
     """Per seed both ran (in `runs`' order) on the same windows: the per-window differences and the windows'
     documents (None for results written before they were recorded: independent windows, which understates)."""

@@ -24,3 +24,21 @@ def test_clustered_standard_errors():
     base = [{"seed": 0, "heldout_windows": [1.0, 1.0, 1.0, 1.0]}]
     diff, se = paired_difference(runs, base)
     assert diff == pytest.approx(1.5) and se == pytest.approx(clustered_se([1.0, 1.1, 0.9, 3.0], [0, 0, 0, 1]))
+
+
+def test_every_document_weighing_the_same():
+    """Three windows of document 0, one of document 1: per document, each document's mean window difference
+    counts once (1 and 2: mean 1.5, SE over the two documents 0.5), where the window-weighted mean is 1.25;
+    each seed's per-document mean is what the verdict's seed rule reads."""
+    from spes.eval.stats import paired_difference_by_document
+
+    docs = [0, 0, 0, 1]
+    runs = [{"seed": 0, "heldout_windows": [2.0, 2.0, 2.0, 4.0], "heldout_documents": docs},
+            {"seed": 1, "heldout_windows": [2.0, 2.0, 2.0, 2.0], "heldout_documents": docs}]
+    base = [{"seed": s, "heldout_windows": [1.0] * 4, "heldout_documents": docs} for s in (0, 1)]
+    diff, se, per_seed = paired_difference_by_document(runs, base)
+    assert diff == pytest.approx(1.5) and se == pytest.approx(statistics.stdev([1.0, 2.0]) / math.sqrt(2))
+    assert per_seed == pytest.approx([2.0, 1.0])
+    assert paired_difference(runs, base)[0] == pytest.approx(1.25)
+    old = [{k: v for k, v in r.items() if k != "heldout_documents"} for r in runs]  # written before documents were
+    assert paired_difference_by_document(old, base) == (None, None, [])
