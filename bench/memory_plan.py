@@ -51,6 +51,7 @@ CHILD = """
 import dataclasses, json, os, sys, torch
 sys.path.insert(0, {root!r})
 from spes.config.loader import params_from_dict
+from spes.train.planned_nodes import planned_nodes
 from spes.train.trainer import build_node_trainer
 from spes.model.transformer import CausalLM
 def status(key):
