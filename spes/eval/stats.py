@@ -51,15 +51,8 @@ def paired_difference(runs: list[dict], base_runs: list[dict]) -> tuple[Optional
     pairs = _paired_windows(runs, base_runs)
     if not pairs:
         return None, None
-    width = len(pairs[0][0])
-    if any(len(d) != width for d, _ in pairs):
-        raise DataError(f"the seeds were scored on different held-out windows ({sorted({len(d) for d, _ in pairs})} "
-                        "windows): a seed-averaged difference needs the same split")
-    docs = [g for _, g in pairs if g is not None]
-    if any(g != docs[0] for g in docs):
-        raise DataError("the seeds' held-out windows belong to different documents: not the same split")
-    averaged = [statistics.fmean(d[w] for d, _ in pairs) for w in range(width)]
-    return statistics.fmean(averaged), clustered_se(averaged, docs[0] if docs else None)
+    averaged, docs = _seed_averaged(pairs)
+    return statistics.fmean(averaged), clustered_se(averaged, docs)
 
 
 def paired_difference_by_document(runs: list[dict], base_runs: list[dict]) -> tuple[Optional[float], Optional[float], list[float]]:
@@ -70,11 +63,8 @@ def paired_difference_by_document(runs: list[dict], base_runs: list[dict]) -> tu
     pairs = _paired_windows(runs, base_runs)
     if not pairs or any(docs is None for _, docs in pairs):
         return None, None, []
-    width, docs = len(pairs[0][0]), pairs[0][1]
+    averaged, docs = _seed_averaged(pairs)
     assert docs is not None
-    if any(len(d) != width or g != docs for d, g in pairs):
-        raise DataError("the seeds were scored on different held-out windows: a per-document difference needs "
-                        "the same split")
 
     def by_document(values: list[float]) -> list[float]:
         groups: dict[int, list[float]] = {}
@@ -82,11 +72,24 @@ def paired_difference_by_document(runs: list[dict], base_runs: list[dict]) -> tu
             groups.setdefault(g, []).append(v)
         return [statistics.fmean(groups[g]) for g in sorted(groups)]
 
-    per_doc = by_document([statistics.fmean(d[w] for d, _ in pairs) for w in range(width)])
+    per_doc = by_document(averaged)
     if len(per_doc) < 2:
         return statistics.fmean(per_doc), float("nan"), []
     se = statistics.stdev(per_doc) / math.sqrt(len(per_doc))
     return statistics.fmean(per_doc), se, [statistics.fmean(by_document(d)) for d, _ in pairs]
+
+
+def _seed_averaged(pairs: list[tuple[list[float], Optional[list[int]]]]) -> tuple[list[float], Optional[list[int]]]:
+    """Each window's difference averaged over the seeds, and the windows' documents (None where no result
+    recorded them); the seeds must have been scored on the same windows of the same documents."""
+    width = len(pairs[0][0])
+    if any(len(d) != width for d, _ in pairs):
+        raise DataError(f"the seeds were scored on different held-out windows ({sorted({len(d) for d, _ in pairs})} "
+                        "windows): a seed-averaged difference needs the same split")
+    docs = [g for _, g in pairs if g is not None]
+    if any(g != docs[0] for g in docs):
+        raise DataError("the seeds' held-out windows belong to different documents: not the same split")
+    return [statistics.fmean(d[w] for d, _ in pairs) for w in range(width)], docs[0] if docs else None
 
 
 def _paired_windows(runs: list[dict], base_runs: list[dict]) -> list[tuple[list[float], Optional[list[int]]]]:
