@@ -74,12 +74,16 @@ class Store(FileStore):
     @contextlib.contextmanager
     def open_reader(self, rel: str, fname: str, entry: dict) -> Iterator[TensorReader]:
         """Stream one safetensors file of a committed bundle tensor by tensor; verified when the block ends."""
+        missing = IntegrityError(f"{self.url}/{rel}/{fname} is missing")
         try:
             f = self._io(f"open {rel}/{fname}", self.reader, f"{rel}/{fname}", entry["bytes"])
-            reader = TensorReader(f, f"{self.url}/{rel}/{fname}", entry["sha256"], entry["bytes"])
-        except FileNotFoundError:  # at the open, or at the first range of a ranged read
-            raise IntegrityError(f"{self.url}/{rel}/{fname} is missing") from None
+        except FileNotFoundError:
+            raise missing from None
         with f:
+            try:
+                reader = TensorReader(f, f"{self.url}/{rel}/{fname}", entry["sha256"], entry["bytes"])
+            except FileNotFoundError:  # a ranged read (S3) finds the file gone at its first range
+                raise missing from None
             yield reader
             reader.finish()
             self.bytes_read += reader.n
