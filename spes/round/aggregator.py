@@ -34,8 +34,9 @@ log = logging.getLogger("spes.round.aggregator")
 
 class Aggregator:
     """Aggregates the rounds of one run, holding the global it committed last (one model in memory), so the
-    next round need not read it back; its first round after a start reads global r-1 from storage. The sync
-    method and the codec are built once, here."""
+    next round need not read it back; its first round after a start reads global r-1 from storage. It works
+    with the run's context (spes/round/context.py): with the flow's, it shares the global manifests the
+    driver and retention read, and the sync method and codec built once for the run."""
 
     def __init__(self, ctx: RoundContext):
         self.p, self.store, self.run, self.layout = ctx.p, ctx.store, ctx.run, ctx.layout
@@ -65,9 +66,7 @@ class Aggregator:
             return self.run.global_meta(r)
         t0 = time.perf_counter()
         store.remove(layout.delta_dir(r))  # a delta of a global that was never committed (crash in between)
-        prev_rel = layout.global_dir(r - 1)
-        prev = self.run.global_manifest(r - 1)
-        prev_meta = GlobalMeta.from_json(prev["meta"], f"{store.url}/{prev_rel}")
+        prev, prev_meta = self.run.global_manifest(r - 1), self.run.global_meta(r - 1)
         base_sha = prev["files"][MODEL_FILE]["sha256"]
         membership = membership_of(prev_meta, method)
         members = membership.members
