@@ -14,6 +14,8 @@ EXPERTS_IMPLS = ("auto", "grouped_mm", "triton", "loop")
 METHODS = ("spes", "diloco", "fedavg", "centralized", "fedadam")
 """Sync methods (spes/sync/methods.py's registry builds the object for each; a test keeps the two equal)."""
 CODECS = ("fp32", "bf16", "int8")
+OVERLAPS = ("none", "one_round")
+"""sync.overlap: whether a node trains the next round while its round is synchronised (spes/round/inputs.py)."""
 DATA_ORDERS = ("epoch", "random_windows")
 QK_NORMS = ("full", "head", "none")
 SCHEDULES = ("cosine", "wsd")

@@ -88,6 +88,7 @@ class Params:
         self.data.validate()
         self.orchestration.validate()
         self._check_quorum()
+        self._check_overlap()
         self.checkpoint.validate()
         return self
 
@@ -128,6 +129,13 @@ class Params:
         if m.is_moe and self.merge.enabled:
             need(self.merge.top_k < m.num_experts,
                  f"merge.top_k ({self.merge.top_k}) must be < model.num_experts ({m.num_experts})")
+
+    def _check_overlap(self) -> None:
+        """A node that starts round r from global r-2 plus its own delta needs global r-2 on storage."""
+        k = self.storage.keep_rounds
+        need(self.sync.overlap == "none" or k is None or k >= 2,
+             f"sync.overlap one_round starts each round from global r-2 (plus the node's own delta): "
+             f"storage.keep_rounds must be >= 2 or null, got {k}")
 
     def _check_quorum(self) -> None:
         o, s = self.orchestration, self.sync

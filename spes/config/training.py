@@ -14,6 +14,7 @@ from spes.config.choices import (
     FROZEN_DTYPES,
     METHODS,
     NODE_PARALLEL,
+    OVERLAPS,
     SCHEDULES,
     SHARED_OUTER,
     need,
@@ -104,6 +105,14 @@ class SyncConfig:
     weights into the global bundle, and every node continues from that mean (its step counts its own).
     Costs twice those parameters' fp32 bytes up and down per round."""
 
+    overlap: str = "none"
+    """'none': a node starts round r from global r-1. 'one_round': the sync hidden behind compute (DiLoCo's
+    eager overlap, Kale et al. 2025): a node starts round r from its own model after round r-1 (global r-2
+    plus its own delta of round r-1), so it need not wait for global r-1, and folds global r-1 in at the end
+    of round r: it uploads its round-r delta d (what it trained in round r) against global r-1 and goes on
+    from global r-1 + d. Its own update counts once; others' experts take their committed values one round
+    late. The committed globals are the same protocol as without overlap (spes/round/inputs.py)."""
+
     @property
     def total_steps(self) -> int:
         return self.rounds * self.every_steps
@@ -119,6 +128,10 @@ class SyncConfig:
         need(0 <= s.warmup_rounds <= s.rounds, f"sync.warmup_rounds ({s.warmup_rounds}) must be in [0, sync.rounds={s.rounds}]")
         need(s.codec in CODECS, f"sync.codec must be one of {'|'.join(CODECS)}, got {s.codec!r}")
         need(s.int8_block >= 1, f"sync.int8_block must be >= 1, got {s.int8_block}")
+        need(s.overlap in OVERLAPS, f"sync.overlap must be one of {'|'.join(OVERLAPS)}, got {s.overlap!r}")
+        need(s.overlap == "none" or not s.average_optimizer_state,
+             "sync.overlap one_round cannot be used with sync.average_optimizer_state: the moments' mean of "
+             "round r-1 arrives after round r has started")
 
 
 @dataclass

@@ -125,7 +125,7 @@ def run_round(ctx: RoundContext, r: int, run_nodes: NodeRunner, aggregate: Aggre
                          nodes=reports, aggregate=agg, heldout_loss=loss, heldout_s=heldout_s,
                          tokens=sum(n.tokens for n in reports))
     run.write_record(r, record)
-    dropped = run.retire(r, p.storage.keep_rounds, p.checkpoint.keep_last)
+    dropped = run.retire(r, p.storage.keep_rounds, p.checkpoint.keep_last, p.sync.overlap != "none")
     if dropped:
         log.info("retention: models of rounds %s deleted (records kept)", dropped)
     return record

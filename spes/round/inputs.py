@@ -1,6 +1,11 @@
 """What a node's round starts from, read by its rank 0: global r-1 (rebuilt from the deltas since the global
 it holds, or downloaded) and the node's state that global was built with (from its machine, or the checkpoint
 on shared storage), with the round's membership.
+
+With sync.overlap one_round the model the round trains from is not global r-1 but the node's own model after
+round r-1: global r-2 plus its exact delta of round r-1 (kept in its state), which it held before global r-1
+existed. A node that did not count in global r-1 (it missed the round) or whose experts changed starts from
+global r-1 instead. Either way the start is a function of what is committed, so a resume is bitwise.
 """
 from __future__ import annotations
 
@@ -10,14 +15,14 @@ from typing import Optional
 
 import torch
 
-from spes.errors import MembershipError, ProtocolError, StorageError
+from spes.errors import IntegrityError, MembershipError, NodeStateError, NotCommitted, ProtocolError, StorageError
 from spes.round.context import RoundContext
 from spes.round.fetch import fetch_global
 from spes.run.local_runs import node_state_root, tidy_other_runs_once
 from spes.run.membership import membership_of
 from spes.run.node_state import NodeState, NodeStateDir
 from spes.run.records import GlobalMeta, StateRef
-from spes.sync.deltas import MOMENTS_FILE, experts_file
+from spes.sync.deltas import MOMENTS_FILE, experts_file, with_own_delta
 
 log = logging.getLogger("spes.round.node")
 
@@ -38,6 +43,9 @@ class RoundInputs:
     """The share of the data it reads."""
     position: int
     """Its data position: its state's, or (no state: a new member) where its slot would be had it read every round."""
+    start: dict[str, torch.Tensor]
+    """The model the round trains from and takes its delta against: `prev`, or with sync.overlap the node's own
+    model after round r-1 (see the module docstring)."""
 
 
 def read_inputs(ctx: RoundContext, r: int, node: int, from_checkpoint: bool = False) -> RoundInputs:
@@ -74,8 +82,15 @@ def read_inputs(ctx: RoundContext, r: int, node: int, from_checkpoint: bool = Fa
     own_cached = {experts_file(node): (state.experts_sha256, state.experts_upload)} \
         if state is not None and state.experts_upload else None
     held = local.base()
+    held_model: dict = {}
+
+    def load_held() -> dict:  # read once: the chain to global r-1 starts from it, an overlapped start too
+        if "t" not in held_model:
+            held_model["t"] = local.load_base()
+        return held_model["t"]
+
     prev, prev_sha = fetch_global(store, layout, r - 1, prev_manifest, ctx.codec, ctx.method, held,
-                                  local.load_base, own_cached)
+                                  load_held, own_cached)
     if held != (r - 1, prev_sha) and local.save_base(r - 1, prev) != prev_sha:
         raise StorageError(f"node {node}: global {r - 1} as held here does not hash to the committed {prev_sha[:12]}")
     owned = tuple(membership.owners[node])
@@ -85,5 +100,34 @@ def read_inputs(ctx: RoundContext, r: int, node: int, from_checkpoint: bool = Fa
                     f"; gave away {gave}" if gave else "",
                     f"; took over {took}, which start with a fresh optimizer state" if took else "")
     position = state.data_position if state is not None else (r - 1) * p.sync.every_steps
+    start = _start_model(ctx, r, node, state, owned, prev, held, load_held)
     return RoundInputs(prev, prev_sha, prev_meta.model_config, state, ref, local, owned, membership.slots[node],
-                       position)
+                       position, start)
+
+
+def _start_model(ctx: RoundContext, r: int, node: int, state: Optional[NodeState], owned: tuple[int, ...],
+                 prev: dict, held, load_held) -> dict:
+    """The model round r trains from: global r-1, or with sync.overlap the node's own model after round r-1
+    (the global its delta of round r-1 was taken against, plus that delta)."""
+    if ctx.p.sync.overlap == "none" or state is None or state.sent is None or state.sent_base is None:
+        return prev
+    if state.round != r - 1 or (state.owned is not None and state.owned != owned):
+        log.info("node %d round %d: starts from global %d (its last delta is of round %d%s)", node, r, r - 1,
+                 state.round, ", for other experts" if state.round == r - 1 else "")
+        return prev
+    q, sha = state.sent_base
+    if held == (q, sha):
+        base = load_held()
+    else:  # not held here (another machine, a retry after the held global moved on): from storage
+        where = f"{ctx.store.url}/{ctx.layout.global_dir(q)}"
+        try:
+            manifest = ctx.run.global_manifest(q)
+            base, got = fetch_global(ctx.store, ctx.layout, q, manifest, ctx.codec, ctx.method, None, None)
+        except (NotCommitted, IntegrityError) as e:
+            raise NodeStateError(f"node {node} round {r}: sync.overlap starts it from global {q} plus its own delta "
+                                 f"of round {r - 1}, and global {q} cannot be read from {where} ({e}); resume from "
+                                 "an earlier round (checkpoint rounds keep the global before them)") from None
+        if got != sha:
+            raise NodeStateError(f"node {node} round {r}: its delta of round {r - 1} was taken against global {q} "
+                                 f"{sha[:12]}, but {where} holds {got[:12]}")
+    return with_own_delta(ctx.method, base, state.sent, owned)

@@ -33,7 +33,7 @@ from spes.round.progress_line import Progress
 from spes.run.records import NodeReport, StateRef, UploadMeta
 from spes.run.rounds import RunRounds
 from spes.storage.store import BundleWriter
-from spes.sync.deltas import EXPERTS_FILE, MOMENTS_FILE, averaged_moments, encode_upload
+from spes.sync.deltas import EXPERTS_FILE, MOMENTS_FILE, averaged_moments, encode_upload, own_delta
 from spes.train.devices import resolve_device
 from spes.train.distributed import broadcast_object, broadcast_tensors, rank_and_size, shards_node
 from spes.train.expert_state import expert_steps, remap_rows
@@ -90,17 +90,17 @@ class Assignment:
 
 
 def _share(inputs: Optional[RoundInputs], sharded: bool) -> tuple[Optional[dict], Optional[dict], Assignment]:
-    """(global r-1, optimizer tensors, the round's assignment) on every rank of the node. A sharded node
+    """(the model to start from, optimizer tensors, the round's assignment) on every rank of the node. A sharded node
     (fsdp) keeps the tensors on rank 0, which gives each rank its shards (None elsewhere)."""
     state = inputs.state if inputs is not None else None
-    prev = inputs.prev if inputs is not None else None
+    start = inputs.start if inputs is not None else None
     small = broadcast_object((Assignment(inputs.model_config, inputs.position, inputs.owned, inputs.slot,
                                          expert_steps(state.optim) if state else {}),
                               state is not None) if inputs is not None else None)
     job, has_state = small
     if sharded:
-        return prev, (state.optim if state else None) if has_state else {}, job
-    return broadcast_tensors(prev), broadcast_tensors(state.optim if state else None) if has_state else {}, job
+        return start, (state.optim if state else None) if has_state else {}, job
+    return broadcast_tensors(start), broadcast_tensors(state.optim if state else None) if has_state else {}, job
 
 
 @dataclass
@@ -132,9 +132,10 @@ def _data_stream(p: Params, nodes: int, data: TokenData, job: Assignment, batch:
     return BatchStream(data.train, batch, t.seq_len, t.seed, job.slot, job.position, order=order, num_nodes=nodes)
 
 
-def train(ctx: RoundContext, r: int, node: int, data: TokenData, prev: Optional[dict], optim: Optional[dict],
+def train(ctx: RoundContext, r: int, node: int, data: TokenData, start: Optional[dict], optim: Optional[dict],
           job: Assignment, on_step: Optional[Callable[[int], None]] = None) -> Trained:
-    """Every rank: the node's `sync.every_steps` local steps from global r-1 (this rank's share of each batch)."""
+    """Every rank: the node's `sync.every_steps` local steps from `start` (global r-1, or with sync.overlap the
+    node's own model: spes/round/inputs.py), this rank's share of each batch."""
     t0 = time.perf_counter()
     p, method = ctx.p, ctx.method
     steps = p.sync.every_steps
@@ -145,11 +146,11 @@ def train(ctx: RoundContext, r: int, node: int, data: TokenData, prev: Optional[
         with torch.device("meta"):
             model = CausalLM(cfg)
         trainer = build_node_trainer(p, model, job.owned, device, job.expert_steps)
-        trainer.load_global(prev)
+        trainer.load_global(start)
     else:
         model = CausalLM(cfg)
-        assert prev is not None  # unsharded: every rank holds the broadcast global
-        model.load_canonical_state_dict(prev)
+        assert start is not None  # unsharded: every rank holds the broadcast start model
+        model.load_canonical_state_dict(start)
         trainer = build_node_trainer(p, model.to(device), job.owned, None, job.expert_steps)
     if optim is None or optim:  # None: a sharded node's rank other than 0, whose shards come from rank 0
         trainer.load_optimizer_tensors(optim)
@@ -201,11 +202,13 @@ def commit(ctx: RoundContext, r: int, node: int, inputs: RoundInputs, t: Trained
     if residual and state is not None and state.owned is not None and state.owned != t.trainer.owned:  # expert rows follow the experts
         residual = {n: remap_rows(v, state.owned, t.trainer.owned) if is_expert_param(n) else v
                     for n, v in residual.items()}
-    files, residual = encode_upload(ctx.method, codec, inputs.prev, trained, t.trainer.owned, residual,
-                                    p.sync.error_feedback)
+    owned = t.trainer.owned
+    files, residual = encode_upload(ctx.method, codec, inputs.start, trained, owned, residual, p.sync.error_feedback)
     if p.sync.average_optimizer_state:
         files[MOMENTS_FILE] = averaged_moments(ctx.method, optim)
-    saved = local.save_state(r, t.position, optim, residual, files.get(EXPERTS_FILE, {}), t.trainer.owned)
+    sent = own_delta(ctx.method, inputs.start, trained, owned) if p.sync.overlap != "none" else None
+    saved = local.save_state(r, t.position, optim, residual, files.get(EXPERTS_FILE, {}), owned, sent,
+                             (r - 1, inputs.prev_sha))
     if checkpoint:  # the same files, so the same digest: a resume can take it from either place
         store.remove(layout.state_dir(r, node))
         store.write_bundle(layout.state_dir(r, node), saved["files"], saved["meta"])
@@ -255,8 +258,8 @@ def node_round(ctx: RoundContext, r: int, node: int, data: TokenData,
     t_read = time.perf_counter()
     inputs = read_inputs(ctx, r, node, from_checkpoint) if lead else None
     t_read = time.perf_counter() - t_read
-    prev, optim, job = _share(inputs, shards_node(p.train.node_parallel))
-    t = train(ctx, r, node, data, prev, optim, job, on_step)
+    start, optim, job = _share(inputs, shards_node(p.train.node_parallel))
+    t = train(ctx, r, node, data, start, optim, job, on_step)
     trained, optim = t.trainer.upload(), t.trainer.optimizer_tensors()  # every rank: gathers under fsdp
     if inputs is None:  # not rank 0
         return None

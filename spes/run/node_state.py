@@ -4,7 +4,8 @@
         base/               the latest global model this node holds (model.safetensors + its round, sha256)
         rounds/<r:06d>/     the node's state after training round r: optimizer (optim.safetensors), encoding
                             residual (residual.safetensors), its own experts' last encoded upload
-                            (experts.safetensors), data position
+                            (experts.safetensors), data position; with sync.overlap its own exact delta
+                            of the round (sent.safetensors) and the global that delta goes on top of
 
 Both are bundles in the store format (a local Store), so a truncated or altered file is caught by its
 sha256 like anything on shared storage. A state is identified by its *digest* (the run id, node, round,
@@ -30,6 +31,8 @@ from spes.storage.store import Store
 
 OPTIM_FILE, RESIDUAL_FILE, EXPERTS_FILE, MODEL_FILE = ("optim.safetensors", "residual.safetensors",
                                                        "experts.safetensors", "model.safetensors")
+SENT_FILE = "sent.safetensors"
+"""sync.overlap: the node's exact delta of the round; the next round starts from `sent_base` + it."""
 
 
 def state_digest(manifest: dict) -> str:
@@ -57,6 +60,10 @@ class NodeState:
     owned: Optional[tuple[int, ...]] = None
     """The experts the node trained in that round (the rows of its residual); None: states written before
     ownership could change."""
+    sent: Optional[dict[str, torch.Tensor]] = None
+    """sync.overlap: what the node trained in that round (its exact delta, the trained part of the model)."""
+    sent_base: Optional[tuple[int, str]] = None
+    """sync.overlap: (round, sha256) of the global that round's delta was taken against."""
 
 
 def run_folder(run: str, run_id: str) -> str:
@@ -81,11 +88,15 @@ class NodeStateDir:
         return f"rounds/{r:06d}"
 
     # -- node state after a round ------------------------------------------------------------------
-    def save_state(self, r: int, data_position: int, optim, residual, experts_upload, owned=None) -> dict:
+    def save_state(self, r: int, data_position: int, optim, residual, experts_upload, owned=None, sent=None,
+                   sent_base: Optional[tuple[int, str]] = None) -> dict:
         files = {OPTIM_FILE: optim, RESIDUAL_FILE: residual, EXPERTS_FILE: experts_upload}
         meta = {"run_id": self.run_id, "node": self.node, "round": r, "data_position": data_position}
         if owned is not None:
             meta["owned"] = [int(e) for e in owned]
+        if sent is not None and sent_base is not None:
+            files[SENT_FILE] = sent
+            meta["sent_base"] = {"round": int(sent_base[0]), "sha256": sent_base[1]}
         rel = self.state_rel(r)
         if self.local.is_committed(rel):  # a state of a round no global used (see discard_after): replace it
             self.local.remove(rel)
@@ -107,10 +118,13 @@ class NodeStateDir:
         if state_digest(manifest) != digest:
             return None
         b = store.read_bundle(rel, manifest=manifest)  # the manifest just read and checked, not a second read
-        owned = manifest["meta"].get("owned")
+        owned, sent_base = manifest["meta"].get("owned"), manifest["meta"].get("sent_base")
+        if (SENT_FILE in b.files) != (sent_base is not None):
+            raise IntegrityError(f"{where}: {SENT_FILE} and the meta's sent_base come together; this state has one")
         return NodeState(manifest["meta"]["round"], int(manifest["meta"]["data_position"]), b.files[OPTIM_FILE],
                          b.files[RESIDUAL_FILE], b.files[EXPERTS_FILE], manifest["files"][EXPERTS_FILE]["sha256"],
-                         digest, where, tuple(owned) if owned is not None else None)
+                         digest, where, tuple(owned) if owned is not None else None, b.files.get(SENT_FILE),
+                         (int(sent_base["round"]), str(sent_base["sha256"])) if sent_base is not None else None)
 
     def load_state(self, ref: StateRef, shared: Store, checkpoint_rel: str) -> NodeState:
         """The state `ref` names: from this machine, else the checkpoint on shared storage; anything else is

@@ -234,13 +234,16 @@ class Run(RunRounds):
         return k + 1
 
     # -- retention ---------------------------------------------------------------------------------
-    def retire(self, r: int, keep_rounds: Optional[int], keep_checkpoints: Optional[int] = None) -> list[int]:
+    def retire(self, r: int, keep_rounds: Optional[int], keep_checkpoints: Optional[int] = None,
+               keep_global_before_checkpoints: bool = False) -> list[int]:
         """Retention after round r committed (storage.keep_rounds, checkpoint.keep_last): the last
         `keep_rounds` rounds stay whole (their deltas refer to the node uploads of the round); round 0 and
         the last `keep_checkpoints` (or all) rounds a resume can start from from shared storage keep their
         global and the node states they need; every other round keeps only its record. Touches only the
         round leaving the window and the checkpoint round leaving `keep_checkpoints`: a bounded number of
-        storage calls, whatever r. Returns the rounds whose model was deleted."""
+        storage calls, whatever r. With `keep_global_before_checkpoints` (sync.overlap: a node resuming after
+        round c starts from global c-1 plus its own delta) a kept checkpoint round's previous global stays too.
+        Returns the rounds whose model was deleted."""
         if keep_rounds is None:
             return []
         index = self.index(r)
@@ -249,10 +252,13 @@ class Run(RunRounds):
         window = range(max(1, r - keep_rounds + 1), r + 1)
         leaving = [q for q in (r - keep_rounds,) if q >= 1]
         if keep_checkpoints and len(ckpts) > keep_checkpoints:
-            leaving += [c for c in ckpts[-keep_checkpoints - 1:-keep_checkpoints] if c not in window]
+            gone = [c for c in ckpts[-keep_checkpoints - 1:-keep_checkpoints] if c not in window]
+            leaving += gone + ([c - 1 for c in gone if c > 1] if keep_global_before_checkpoints else [])
         if not leaving:
             return []
         keep = set(window) | kept_ckpts
+        if keep_global_before_checkpoints:
+            keep |= {c - 1 for c in kept_ckpts if c >= 1}
         # a state of round q can be needed only by globals from q on: a bounded set (window, kept checkpoints)
         needed = {(ref.round, i) for g in sorted(keep) if g >= min(leaving)
                   for i, ref in self._refs(g).items() if ref.checkpoint}

@@ -115,6 +115,33 @@ def encode_upload(method: SyncMethod, codec: Codec, prev: dict[str, torch.Tensor
     return files, new_residual
 
 
+# -- node side: sync.overlap (the node's own delta, folded into a later global) ------------------------------
+def own_delta(method: SyncMethod, start: dict[str, torch.Tensor], trained: dict[str, torch.Tensor],
+              owned: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """What the node trained in a round, exactly (fp32): `trained` (the trainer's upload: full averaged tensors,
+    the owned rows of expert tensors) minus the same part of the model it started from."""
+    rows = torch.tensor(list(owned), dtype=torch.long)
+    return {name: trained[name].float() - (start[name] if method.is_averaged(name) else start[name][rows])
+            for name in sorted(trained)}
+
+
+def with_own_delta(method: SyncMethod, base: dict[str, torch.Tensor], delta: dict[str, torch.Tensor],
+                   owned: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """`base` with the node's own delta added to the part it trained; every other tensor and row is base's
+    exactly (others' experts take their committed values). The fold-in: global r-1 + the node's round-r
+    delta is the model it goes on from."""
+    rows = list(owned)
+    out = dict(base)
+    for name in sorted(delta):
+        if method.is_averaged(name):
+            out[name] = base[name] + delta[name]
+        else:
+            t = base[name].clone()
+            t[rows] = base[name][rows] + delta[name]
+            out[name] = t
+    return out
+
+
 # -- node side: down -------------------------------------------------------------------------------------
 def apply_delta(prev: dict[str, torch.Tensor], codec: Codec, method: SyncMethod, files: dict[str, dict],
                 expert_rows: dict[str, list[int]]) -> dict[str, torch.Tensor]:
