@@ -25,6 +25,16 @@ if TYPE_CHECKING:
     from spes.run.records import NodeReport
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_AHEAD: list = []
+"""This process's round trained ahead (sync.overlap; spes/round/lookahead.py), made on first use."""
+
+
+def lookahead():
+    from spes.round.lookahead import Lookahead
+
+    if not _AHEAD:
+        _AHEAD.append(Lookahead())
+    return _AHEAD[0]
 
 
 def check_ranks(p) -> None:
@@ -50,7 +60,7 @@ def run_node(ctx: RoundContext, r: int, node: int, tokens_dir: str, threads: int
     p, run = ctx.p, ctx.name
     if p.orchestration.gpus_per_node == 1:
         return node_round(ctx, r, node, TokenData.open(tokens_dir), on_step=on_step, checkpoint=checkpoint,
-                          from_checkpoint=from_checkpoint)
+                          from_checkpoint=from_checkpoint, ahead=lookahead())
     check_ranks(p)
     from pipelines.node_events import read_stream
     from pipelines.request import NodeRequest

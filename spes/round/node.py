@@ -29,11 +29,12 @@ from spes.model.names import is_expert_param
 from spes.model.transformer import CausalLM
 from spes.round.context import RoundContext
 from spes.round.inputs import RoundInputs, read_inputs
+from spes.round.lookahead import Assumed, Lookahead
 from spes.round.progress_line import Progress
 from spes.run.records import NodeReport, StateRef, UploadMeta
 from spes.run.rounds import RunRounds
 from spes.storage.store import BundleWriter
-from spes.sync.deltas import EXPERTS_FILE, MOMENTS_FILE, averaged_moments, encode_upload, own_delta
+from spes.sync.deltas import EXPERTS_FILE, MOMENTS_FILE, averaged_moments, encode_upload, own_delta, with_own_delta
 from spes.train.devices import resolve_device
 from spes.train.distributed import broadcast_object, broadcast_tensors, rank_and_size, shards_node
 from spes.train.expert_state import expert_steps, remap_rows
@@ -133,7 +134,7 @@ def _data_stream(p: Params, nodes: int, data: TokenData, job: Assignment, batch:
 
 
 def train(ctx: RoundContext, r: int, node: int, data: TokenData, start: Optional[dict], optim: Optional[dict],
-          job: Assignment, on_step: Optional[Callable[[int], None]] = None) -> Trained:
+          job: Assignment, on_step: Optional[Callable[[int], None]] = None, log_progress: bool = True) -> Trained:
     """Every rank: the node's `sync.every_steps` local steps from `start` (global r-1, or with sync.overlap the
     node's own model: spes/round/inputs.py), this rank's share of each batch."""
     t0 = time.perf_counter()
@@ -163,7 +164,7 @@ def train(ctx: RoundContext, r: int, node: int, data: TokenData, start: Optional
     losses, norms, aux, timeline, tokens, counts = [], [], [], [], 0, None
     t1 = time.perf_counter()
     first_step = (r - 1) * steps
-    every = p.orchestration.log_every_steps
+    every = p.orchestration.log_every_steps if log_progress else 0
     for i in range(steps):
         x, y = stream.next()  # the node's batch; this rank's rows of it
         m = trainer.train_step(x[share], y[share], first_step + i)
@@ -190,9 +191,10 @@ def train(ctx: RoundContext, r: int, node: int, data: TokenData, start: Optional
 
 def commit(ctx: RoundContext, r: int, node: int, inputs: RoundInputs, t: Trained, trained: dict[str, torch.Tensor],
            optim: dict[str, torch.Tensor], checkpoint: bool, bytes_read0: int, bytes_written0: int,
-           seconds_read: float = 0.0) -> NodeReport:
+           seconds_read: float = 0.0) -> tuple[NodeReport, Optional[dict[str, torch.Tensor]]]:
     """Rank 0: encode the upload (`trained`: the trainer's upload), keep the node's state (`optim`: its
-    optimizer tensors) and checkpoint it, commit the upload. `seconds_read`: what reading the inputs took."""
+    optimizer tensors) and checkpoint it, commit the upload. `seconds_read`: what reading the inputs took.
+    Returns the report and, with sync.overlap, the node's exact delta of the round (kept in its state)."""
     t2 = time.perf_counter()
     p, store, layout, codec = ctx.p, ctx.store, ctx.layout, ctx.codec
     first_step = (r - 1) * p.sync.every_steps
@@ -233,7 +235,7 @@ def commit(ctx: RoundContext, r: int, node: int, inputs: RoundInputs, t: Trained
     manifest = up.commit(meta.to_json())
     ref = inputs.ref
     local.prune_before(min(ref.round if ref else 0, last_checkpoint_round(r, p.checkpoint.every_rounds)))
-    return node_report(manifest, f"{store.url}/{rel}", time.perf_counter() - t2)
+    return node_report(manifest, f"{store.url}/{rel}", time.perf_counter() - t2), sent
 
 
 def _log_progress(node: int, r: int, done: int, steps: int, loss: float, tokens: int, seconds: float) -> None:
@@ -242,13 +244,17 @@ def _log_progress(node: int, r: int, done: int, steps: int, loss: float, tokens:
 
 def node_round(ctx: RoundContext, r: int, node: int, data: TokenData,
                on_step: Optional[Callable[[int], None]] = None, checkpoint: bool = False,
-               from_checkpoint: bool = False) -> Optional[NodeReport]:
+               from_checkpoint: bool = False, ahead: Optional[Lookahead] = None) -> Optional[NodeReport]:
     """Node `node`'s part of round r: read its inputs, train `sync.every_steps` local steps, commit its upload;
     returns its report.
 
     On a node of several ranks (torch.distributed initialized) every rank calls this: each trains on its
     share of every batch (data parallel, the model replicated or sharded: train.node_parallel), rank 0
-    alone reads and writes storage and returns the report (the others return None)."""
+    alone reads and writes storage and returns the report (the others return None).
+
+    `ahead` (sync.overlap, a node of one rank): the node's process trains round r+1 on a thread as soon as
+    round r is committed, and round r+1 takes that result when its inputs are the ones assumed
+    (spes/round/lookahead.py)."""
     lead = rank_and_size()[0] == 0
     p, store = ctx.p, ctx.store
     done = committed_report(ctx.run, r, node) if lead else None
@@ -258,10 +264,30 @@ def node_round(ctx: RoundContext, r: int, node: int, data: TokenData,
     t_read = time.perf_counter()
     inputs = read_inputs(ctx, r, node, from_checkpoint) if lead else None
     t_read = time.perf_counter() - t_read
-    start, optim, job = _share(inputs, shards_node(p.train.node_parallel))
-    t = train(ctx, r, node, data, start, optim, job, on_step)
+    ahead = ahead if ahead is not None and p.sync.overlap != "none" and rank_and_size()[1] == 1 else None
+    t = ahead.take(Assumed.of(ctx.name, ctx.p, r, node, data.folder, inputs)) if ahead is not None and inputs is not None else None
+    if t is None:
+        start, optim, job = _share(inputs, shards_node(p.train.node_parallel))
+        t = train(ctx, r, node, data, start, optim, job, on_step)
+    else:
+        log.info("node %d round %d: trained while round %d was synchronised", node, r, r - 1)
     trained, optim = t.trainer.upload(), t.trainer.optimizer_tensors()  # every rank: gathers under fsdp
     if inputs is None:  # not rank 0
         return None
-    return commit(ctx, r, node, inputs, t, trained, optim, checkpoint, read0, written0, t_read)
+    report, sent = commit(ctx, r, node, inputs, t, trained, optim, checkpoint, read0, written0, t_read)
+    if ahead is not None and sent is not None and r < p.sync.rounds and report.upload is not None:
+        _train_ahead(ctx, r + 1, node, data, inputs, t, sent, optim, report.upload.state.digest, ahead)
+    return report
+
+
+def _train_ahead(ctx: RoundContext, r: int, node: int, data: TokenData, before: RoundInputs, t: Trained,
+                 sent: dict[str, torch.Tensor], optim: dict[str, torch.Tensor], digest: str, ahead: Lookahead) -> None:
+    """Start round r on a thread from what round r-1 left in memory: global r-2 + the node's delta of round
+    r-1 (the start read_inputs builds for round r from the same state), its optimizer state, same experts."""
+    owned = t.trainer.owned
+    start = with_own_delta(ctx.method, before.prev, sent, owned)
+    job = Assignment(before.model_config, t.position, owned, before.slot, expert_steps(optim))
+    assumed = Assumed(ctx.name, ctx.p, r, node, data.folder, digest, (r - 2, before.prev_sha), owned, before.slot,
+                      t.position, before.model_config, torch.get_num_threads())
+    ahead.start(assumed, lambda: train(ctx, r, node, data, start, optim, job, log_progress=False))
 

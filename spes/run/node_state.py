@@ -42,6 +42,8 @@ def state_digest(manifest: dict) -> str:
                  "files": {f: e["sha256"] for f, e in sorted(manifest["files"].items())}}
     except (KeyError, TypeError) as e:
         raise IntegrityError(f"a node state manifest without {e}: not a node state") from None
+    if "sent_base" in m:  # sync.overlap: the global its delta goes on top of is part of what the state is
+        ident["sent_base"] = m["sent_base"]
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 

@@ -1,5 +1,6 @@
 """sync.overlap one_round as library calls (no Prefect): where a round starts from, what it uploads, what it keeps,
 and a resume on another machine that ends bitwise equal to the uninterrupted overlapped run."""
+import contextlib
 import shutil
 
 import pytest
@@ -7,9 +8,11 @@ import torch
 
 from spes.data.tokens import TokenData
 from spes.errors import ConfigError, NodeStateError
+from spes.round import aggregator as aggregator_module
 from spes.round import node as node_module
 from spes.round.aggregator import aggregate_round
 from spes.round.context import RoundContext
+from spes.round.lookahead import Lookahead
 from spes.round.node import node_round
 from spes.run.identity import settings_fingerprint
 from spes.run.layout import MODEL_FILE
@@ -121,3 +124,35 @@ def test_a_resume_on_another_machine_is_bitwise_and_retention_keeps_the_global_i
         else:  # without the retention rule the resume cannot start, and says why
             with pytest.raises(NodeStateError, match="starts it from global 1 plus its own delta of round 2"):
                 node_round(RoundContext.build(p, "r", run.store), 3, 0, data)
+
+
+def test_rounds_trained_ahead_give_the_same_bits_and_are_taken_only_for_the_inputs_they_assumed(tmp_path, data,
+                                                                                             monkeypatch):
+    """Node 1 trains each next round on a thread right after committing one; node 0 misses round 3, so global 3
+    does not continue from its state of round 2 and what it trained ahead for round 3 is never taken (its round 4
+    trains from what is committed). Both end bitwise equal to the same run with no thread."""
+    trained, real = [], node_module.train
+
+    def spy(ctx, r, node, data, start_model, *a, log_progress=True, **kw):
+        trained.append((r, node, "ahead" if not log_progress else "asked"))
+        return real(ctx, r, node, data, start_model, *a, log_progress=log_progress, **kw)
+
+    monkeypatch.setattr(node_module, "train", spy)
+    # the nodes share this test's process with the aggregator, whose one-thread section would change the
+    # thread count (and so the float sums) of a round training ahead; a node process has no aggregator
+    monkeypatch.setattr(aggregator_module, "one_torch_thread", contextlib.nullcontext)
+    shas = {}
+    for mode in ("plain", "ahead"):
+        p = make_params(tmp_path, name=mode, overlap="one_round")
+        run = start(p)
+        aheads = {i: Lookahead() if mode == "ahead" else None for i in (0, 1)}
+        trained.clear()
+        for r, nodes in ((1, (0, 1)), (2, (0, 1)), (3, (1,)), (4, (0, 1))):
+            for i in nodes:
+                node_round(RoundContext.build(p, "r", run.store), r, i, data, ahead=aheads[i])
+            aggregate_round(RoundContext.build(p, "r", run.store), r, min_nodes=1)
+        shas[mode] = [_sha(run, r) for r in (1, 2, 3, 4)]
+        if mode == "ahead":
+            assert sorted(trained) == sorted([(1, 0, "asked"), (1, 1, "asked"), (2, 0, "ahead"), (2, 1, "ahead"),
+                                              (3, 0, "ahead"), (3, 1, "ahead"), (4, 1, "ahead"), (4, 0, "asked")])
+    assert shas["plain"] == shas["ahead"]
