@@ -13,7 +13,12 @@ Prefect's share), and the ratio of wall time to compute, side by side per rate; 
 on the node's interface (its veth's counters, read at each global's commit) beside what the storage layer
 counted for the round (MB up/down: the files and manifests a node read and wrote).
 
-    python bench/wan_round.py [--rates 100,20,4] [--rtt-ms 40] [--loss 0.001] [--rounds 4] [--json]
+With `--overlap none,one_round` each rate runs once per sync.overlap setting; the steady round time is then
+read as the time between successive globals' commits (with overlap a node's compute of round r+1 happens
+before round r+1's task starts, so the round record's own wall time no longer contains it), and set beside
+the compute of a round.
+
+    python bench/wan_round.py [--rates 100,20,4] [--overlap none] [--rtt-ms 40] [--loss 0.001] [--rounds 4] [--json]
 
 Needs root (namespaces); says why not and exits 2 elsewhere.
 """
@@ -74,7 +79,11 @@ def _machines(net: SlowLinks, env: dict, tmp: str) -> list[subprocess.Popen]:
     return procs
 
 
-def run_at(rate_mbit: float, a, env: dict, api: str, endpoint: str, pfile: str, tmp: str) -> dict:
+def run_name(rate_mbit: float, overlap: str) -> str:
+    return f"wan-{rate_mbit:g}mbit" + ("" if overlap == "none" else f"-overlap-{overlap}")
+
+
+def run_at(rate_mbit: float, overlap: str, a, env: dict, api: str, endpoint: str, pfile: str, tmp: str) -> dict:
     """One run of a.rounds rounds with both nodes on links of `rate_mbit`; its parts per round."""
     from spes.config.loader import load_params
     from spes.run.run import Run
@@ -83,7 +92,7 @@ def run_at(rate_mbit: float, a, env: dict, api: str, endpoint: str, pfile: str, 
     services = {"s3": service(endpoint), "prefect": service(api)}
     store = Store.from_config(load_params(pfile).storage)
     link = Link(rate_mbit * 1e6, a.rtt_ms / 1000, a.loss)
-    run = f"wan-{rate_mbit:g}mbit"
+    run = run_name(rate_mbit, overlap)
     with SlowLinks([link, link], services) as net:
         procs = _machines(net, env, tmp)
         try:
@@ -91,10 +100,11 @@ def run_at(rate_mbit: float, a, env: dict, api: str, endpoint: str, pfile: str, 
                 _get(f"{api}/deployments/name/spes-node/spes-node-{i}").get("status") == "READY" for i in (0, 1)), 180)
             before = [n.interface_bytes() for n in net.nodes]
             code = ("import sys; from pipelines.training import spes_training; "
-                    "spes_training(params_path=sys.argv[1], stage='all', run_name=sys.argv[2])")
+                    "spes_training(params_path=sys.argv[1], stage='all', run_name=sys.argv[2], "
+                    "overrides=[f'sync.overlap={sys.argv[3]}'])")
             t = time.time()
             with RoundCounters(Run(store, run), net, a.rounds) as counters:
-                out = subprocess.run([sys.executable, "-c", code, pfile, run],
+                out = subprocess.run([sys.executable, "-c", code, pfile, run, overlap],
                                      env=dict(env, AWS_ENDPOINT_URL_S3=endpoint), capture_output=True, text=True,
                                      timeout=60 * (5 + 3 * a.rounds))
             if out.returncode:
@@ -104,7 +114,7 @@ def run_at(rate_mbit: float, a, env: dict, api: str, endpoint: str, pfile: str, 
             for proc in procs:
                 stop_process_group(proc, 15)
     res = parts_of(Run(store, run).records(2, a.rounds - 1))
-    res.update(rate_mbit=rate_mbit, flow_s=time.time() - t,
+    res.update(rate_mbit=rate_mbit, overlap=overlap, flow_s=time.time() - t,
                interface_bytes_up=max(u for u, _ in iface), interface_bytes_down=max(d for _, d in iface),
                **counters.per_round(2, a.rounds - 1))
     return res
@@ -120,11 +130,13 @@ class RoundCounters:
 
         self.run, self.net, self.rounds = run, net, rounds
         self.at: dict[int, list[tuple[int, int]]] = {}
+        self.when: dict[int, float] = {}
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._watch, daemon=True)
 
     def __enter__(self) -> "RoundCounters":
         self.at[0] = [n.interface_bytes() for n in self.net.nodes]
+        self.when[0] = time.time()
         self.thread.start()
         return self
 
@@ -137,6 +149,7 @@ class RoundCounters:
         while r <= self.rounds and not self.stop.is_set():
             if self.run.store.is_committed(self.run.layout.global_dir(r)):
                 self.at[r] = [n.interface_bytes() for n in self.net.nodes]
+                self.when[r] = time.time()
                 r += 1
             else:
                 time.sleep(0.1)
@@ -148,12 +161,15 @@ class RoundCounters:
             return {}
         up = [max(now[0] - then[0] for now, then in zip(self.at[r], self.at[r - 1])) for r in rounds]
         down = [max(now[1] - then[1] for now, then in zip(self.at[r], self.at[r - 1])) for r in rounds]
-        return {"interface_bytes_up_per_round": sum(up) / len(up), "interface_bytes_down_per_round": sum(down) / len(down)}
+        gaps = [self.when[r] - self.when[r - 1] for r in rounds]
+        return {"interface_bytes_up_per_round": sum(up) / len(up), "interface_bytes_down_per_round": sum(down) / len(down),
+                "commit_interval_s": sum(gaps) / len(gaps)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rates", default="100,20,4", help="link rates in Mbit/s, each way")
+    ap.add_argument("--overlap", default="none", help="sync.overlap settings to run at each rate, e.g. none,one_round")
     ap.add_argument("--rtt-ms", type=float, default=40.0)
     ap.add_argument("--loss", type=float, default=0.001)
     ap.add_argument("--rounds", type=int, default=4, help="at least 3: rounds 2 .. rounds-1 are measured")
@@ -205,16 +221,18 @@ def main() -> None:
                               stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         _wait("the Prefect server", lambda: _get(api + "/health") is True, 180)
-        _init_runs(pfile, [f"wan-{float(r):g}mbit" for r in a.rates.split(",")])
-        results = [run_at(float(r), a, env, api, endpoint, pfile, tmp) for r in a.rates.split(",")]
+        cases = [(float(r), o) for r in a.rates.split(",") for o in a.overlap.split(",")]
+        _init_runs(pfile, cases)
+        results = [run_at(r, o, a, env, api, endpoint, pfile, tmp) for r, o in cases]
     finally:
         stop_process_group(server, 15)
         s3.stop()
-    print(f"{'Mbit/s':>7} {'wall s':>7} {'down s':>7} {'train s':>8} {'up s':>6} {'agg s':>6} {'idle s':>7} "
+    print(f"{'Mbit/s':>7} {'overlap':>9} {'commits every s':>15} {'/ compute':>9} {'wall s':>7} {'down s':>7} {'train s':>8} {'up s':>6} {'agg s':>6} {'idle s':>7} "
           f"{'transfer/compute':>17} {'wall/compute':>13} {'MB up':>6} {'MB down':>8} {'wire MB up':>11} "
           f"{'wire MB down':>13}")
     for r in results:
-        print(f"{r['rate_mbit']:>7g} {r['wall_s']:>7.1f} {r['download_s']:>7.1f} {r['train_s']:>8.1f} "
+        gap = r.get("commit_interval_s", float("nan"))
+        print(f"{r['rate_mbit']:>7g} {r['overlap']:>9} {gap:>15.1f} {gap / r['train_s']:>9.2f} {r['wall_s']:>7.1f} {r['download_s']:>7.1f} {r['train_s']:>8.1f} "
               f"{r['upload_s']:>6.1f} {r['aggregate_s']:>6.1f} {r['idle_s']:>7.1f} {r['transfer_over_compute']:>17.2f} "
               f"{r['wall_over_compute']:>13.2f} {r['bytes_up'] / 1e6:>6.2f} {r['bytes_down'] / 1e6:>8.2f} "
               f"{r.get('interface_bytes_up_per_round', 0) / 1e6:>11.2f} "
@@ -223,7 +241,7 @@ def main() -> None:
         print(json.dumps({"rtt_ms": a.rtt_ms, "loss": a.loss, "rounds": a.rounds, "cases": results}))
 
 
-def _init_runs(pfile: str, runs: list[str]) -> None:
+def _init_runs(pfile: str, cases: list[tuple[float, str]]) -> None:
     """Round 0 of each run: the same seeded model."""
     import torch
 
@@ -233,11 +251,11 @@ def _init_runs(pfile: str, runs: list[str]) -> None:
     from spes.run.run import Run
     from spes.storage.store import Store
 
-    p = load_params(pfile)
-    store = Store.from_config(p.storage)
-    for run in runs:
+    for rate, overlap in cases:
+        p = load_params(pfile, [f"sync.overlap={overlap}"])
+        store = Store.from_config(p.storage)
         torch.manual_seed(0)
-        Run(store, run).ensure(settings_fingerprint(p), InitModel.from_state(CausalLM(p.model).canonical_state_dict(),
+        Run(store, run_name(rate, overlap)).ensure(settings_fingerprint(p), InitModel.from_state(CausalLM(p.model).canonical_state_dict(),
                                                                               p.model, "bench"))
 
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from spes.errors import IntegrityError, MembershipError, NodeStateError, NotCommitted, ProtocolError, StorageError
 from spes.round.context import RoundContext
 from spes.round.fetch import fetch_global
+from spes.run.layout import MODEL_FILE
 from spes.run.local_runs import node_state_root, tidy_other_runs_once
 from spes.run.membership import membership_of
 from spes.run.node_state import NodeState, NodeStateDir
@@ -25,6 +26,17 @@ from spes.run.records import GlobalMeta, StateRef
 from spes.sync.deltas import MOMENTS_FILE, experts_file, with_own_delta
 
 log = logging.getLogger("spes.round.node")
+
+
+@dataclass
+class HeldGlobal:
+    """A committed global this process holds in memory (spes/round/lookahead.py fetched it ahead)."""
+
+    sha256: str
+    tensors: dict[str, torch.Tensor]
+    mark: Optional[str] = None
+    """Its manifest's COMMIT marker: the manifest is taken again only while the marker still names it."""
+    manifest: Optional[dict] = None
 
 
 @dataclass
@@ -48,18 +60,25 @@ class RoundInputs:
     model after round r-1 (see the module docstring)."""
 
 
-def read_inputs(ctx: RoundContext, r: int, node: int, from_checkpoint: bool = False) -> RoundInputs:
+def read_inputs(ctx: RoundContext, r: int, node: int, from_checkpoint: bool = False,
+                known: Optional[dict[int, HeldGlobal]] = None) -> RoundInputs:
     """Rank 0: global r-1 (rebuilt from the deltas since the global held here, or downloaded) and the node's
     state that global was built with (from this machine, or the checkpoint on shared storage). With
     `from_checkpoint` (its machine was lost), a state that is neither here nor checkpointed is replaced by the
-    node's latest checkpointed one (its optimizer state, residual and data position of then)."""
+    node's latest checkpointed one (its optimizer state, residual and data position of then). `known`:
+    round -> the globals this process holds in memory (spes/round/lookahead.py), used while committed."""
+    known = known or {}
     p, store, run, layout = ctx.p, ctx.store, ctx.name, ctx.layout
     info = ctx.run.info()
     if info is None:
         raise ProtocolError(f"run {run!r} has no info on {store.url}")
     local = NodeStateDir(node_state_root(p), store.url, run, info["run_id"], node)
     tidy_other_runs_once(p, store, run, info["run_id"], local)
-    prev_manifest = ctx.run.global_manifest(r - 1)
+    held_prev = known.get(r - 1)
+    if held_prev is not None and held_prev.mark is not None and held_prev.manifest is not None:
+        prev_manifest = store.read_manifest(layout.global_dir(r - 1), (held_prev.mark, held_prev.manifest))
+    else:
+        prev_manifest = ctx.run.global_manifest(r - 1)
     prev_meta = GlobalMeta.from_json(prev_manifest["meta"], f"{store.url}/{layout.global_dir(r - 1)}")
     membership = membership_of(prev_meta, ctx.method)
     if node not in membership.owners:
@@ -81,18 +100,13 @@ def read_inputs(ctx: RoundContext, r: int, node: int, from_checkpoint: bool = Fa
     # its own experts' rows in the delta are the bytes it uploaded last: no need to download them back
     own_cached = {experts_file(node): (state.experts_sha256, state.experts_upload)} \
         if state is not None and state.experts_upload else None
-    held = local.base()
-    held_model: dict = {}
-
-    def load_held() -> dict:  # read once: the chain to global r-1 starts from it, an overlapped start too
-        if "t" not in held_model:
-            held_model["t"] = local.load_base()
-        return held_model["t"]
-
-    prev, prev_sha = fetch_global(store, layout, r - 1, prev_manifest, ctx.codec, ctx.method, held,
-                                  load_held, own_cached)
-    if held != (r - 1, prev_sha) and local.save_base(r - 1, prev) != prev_sha:
-        raise StorageError(f"node {node}: global {r - 1} as held here does not hash to the committed {prev_sha[:12]}")
+    held, load_held = local.base(), _once(local.load_base)  # the chain to global r-1 starts from it, an overlapped start too
+    want = prev_manifest["files"][MODEL_FILE]["sha256"]
+    if held_prev is not None and held_prev.sha256 == want:
+        prev, prev_sha = held_prev.tensors, want
+    else:
+        prev, prev_sha = fetch_global(store, layout, r - 1, prev_manifest, ctx.codec, ctx.method, held,
+                                      load_held, own_cached)
     owned = tuple(membership.owners[node])
     if state is not None and state.owned is not None and state.owned != owned:
         gave, took = sorted(set(state.owned) - set(owned)), sorted(set(owned) - set(state.owned))
@@ -100,13 +114,28 @@ def read_inputs(ctx: RoundContext, r: int, node: int, from_checkpoint: bool = Fa
                     f"; gave away {gave}" if gave else "",
                     f"; took over {took}, which start with a fresh optimizer state" if took else "")
     position = state.data_position if state is not None else (r - 1) * p.sync.every_steps
-    start = _start_model(ctx, r, node, state, owned, prev, held, load_held)
+    start = _start_model(ctx, r, node, state, owned, prev, held, load_held, known)
+    # kept here after the start is built: an overlapped start may read the global held before it
+    if held != (r - 1, prev_sha) and local.save_base(r - 1, prev) != prev_sha:
+        raise StorageError(f"node {node}: global {r - 1} as held here does not hash to the committed {prev_sha[:12]}")
     return RoundInputs(prev, prev_sha, prev_meta.model_config, state, ref, local, owned, membership.slots[node],
                        position, start)
 
 
+def _once(load: Callable[[], dict]) -> Callable[[], dict]:
+    """`load`, called at most once (the held global is read once however many use it)."""
+    kept: dict = {}
+
+    def get() -> dict:
+        if "t" not in kept:
+            kept["t"] = load()
+        return kept["t"]
+
+    return get
+
+
 def _start_model(ctx: RoundContext, r: int, node: int, state: Optional[NodeState], owned: tuple[int, ...],
-                 prev: dict, held, load_held) -> dict:
+                 prev: dict, held, load_held, known: dict[int, HeldGlobal]) -> dict:
     """The model round r trains from: global r-1, or with sync.overlap the node's own model after round r-1
     (the global its delta of round r-1 was taken against, plus that delta)."""
     if ctx.p.sync.overlap == "none" or state is None or state.sent is None or state.sent_base is None:
@@ -116,7 +145,9 @@ def _start_model(ctx: RoundContext, r: int, node: int, state: Optional[NodeState
                  state.round, ", for other experts" if state.round == r - 1 else "")
         return prev
     q, sha = state.sent_base
-    if held == (q, sha):
+    if q in known and known[q].sha256 == sha:
+        base = known[q].tensors
+    elif held == (q, sha):
         base = load_held()
     else:  # not held here (another machine, a retry after the held global moved on): from storage
         where = f"{ctx.store.url}/{ctx.layout.global_dir(q)}"

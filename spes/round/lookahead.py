@@ -1,23 +1,26 @@
 """sync.overlap one_round in time: the next round trained while this one is synchronised.
 
-Right after a node commits round r, its process starts round r+1 on a thread, from what it holds in memory
-(global r-1 plus its delta of round r, its optimizer state after round r), while the orchestrator
-aggregates round r. When round r+1 is asked for, its inputs are read from storage as always (global r, the
-state global r says the node continues from); if they are the ones the thread assumed, the thread's result
-is taken, else it is dropped and the round trains from the inputs read. Training is a function of its
-inputs (seeded per node and round), so both give the same bits: the thread changes when the work happens,
-never what it computes. Only one thread trains at a time (torch's random generator is the process's).
+Once a node has its delta of round r (before it uploads it), its process starts round r+1 on a thread,
+from what it holds in memory (global r-1 plus that delta, its optimizer state after round r). The upload of
+round r, the orchestrator's aggregation and the download of global r (a second thread fetches it as soon as
+it is committed, `prefetch`) then happen while round r+1 trains. When round r+1 is asked for, its inputs
+are read as always (global r and the node's state that global names; global r from memory when the
+prefetch got it); if they are the ones the thread assumed, the thread's result is taken, else it is dropped
+and the round trains from the inputs read. Training is a function of its inputs (seeded per node and
+round), so both give the same bits: the threads change when the work happens, never what it computes. Only
+one thread trains at a time (torch's random generator is the process's).
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
-from spes.round.inputs import RoundInputs
+from spes.round.inputs import HeldGlobal, RoundInputs
 
 log = logging.getLogger("spes.round.lookahead")
 
@@ -59,6 +62,55 @@ class Lookahead:
         self._assumed: Optional[Assumed] = None
         self._result: Any = None
         self._error: Optional[BaseException] = None
+        self._globals: dict[int, HeldGlobal] = {}
+        """round -> the globals held in memory (the one round r's delta is on top of, and the prefetched global r)."""
+        self._fetching: Optional[tuple[int, threading.Thread, threading.Event]] = None
+        self.fetched_bytes: dict[int, int] = {}
+        """round -> bytes the prefetch of that global read (counted in the next round's download)."""
+
+    def remember(self, r: int, held: HeldGlobal) -> None:
+        """Keep global r in memory for the next round's inputs (and only it, and what a prefetch adds)."""
+        self._stop_fetching()
+        self._globals, self.fetched_bytes = {r: held}, {}
+
+    def prefetch(self, r: int, ready: Callable[[], bool], fetch: Callable[[], tuple[HeldGlobal, int]],
+                 deadline: float, poll_s: float = 0.2) -> None:
+        """Fetch global r on a thread as soon as `ready()` says it is committed (polled until `deadline`):
+        `fetch()` gives it and the bytes it read. A failure leaves it to the next round's own read."""
+        stop = threading.Event()
+
+        def run() -> None:
+            try:
+                while not stop.is_set() and time.time() < deadline:
+                    if ready():
+                        held, nbytes = fetch()
+                        self._globals[r], self.fetched_bytes[r] = held, nbytes
+                        return
+                    stop.wait(poll_s)
+            except Exception as e:  # storage unreachable, a damaged delta: the round's own read says so
+                log.info("prefetch of global %d failed (%s: %s); the next round reads it itself", r,
+                         type(e).__name__, e)
+
+        thread = threading.Thread(target=run, name=f"prefetch-global-{r}", daemon=True)
+        self._fetching = (r, thread, stop)
+        thread.start()
+
+    def globals_for(self, r: int) -> dict[int, HeldGlobal]:
+        """The globals in memory for round r's inputs: waits for the prefetch of global r-1 (committed
+        before round r is asked for); a prefetch of another global is stopped."""
+        if self._fetching is not None:
+            target, thread, stop = self._fetching
+            if target != r - 1:
+                stop.set()
+            thread.join()
+            self._fetching = None
+        return dict(self._globals)
+
+    def _stop_fetching(self) -> None:
+        if self._fetching is not None:
+            self._fetching[2].set()
+            self._fetching[1].join()
+            self._fetching = None
 
     def start(self, assumed: Assumed, work: Callable[[], Any]) -> None:
         self.drop()

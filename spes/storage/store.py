@@ -106,12 +106,20 @@ class Store(FileStore):
             raise AlreadyCommitted(f"{self.url}/{rel} was committed concurrently by another writer") from None
         return manifest
 
-    def read_manifest(self, rel: str) -> dict:
+    def read_manifest(self, rel: str, held: Optional[tuple[str, dict]] = None) -> dict:
+        """The committed manifest of bundle `rel`. `held` = (mark, manifest) read before (`read_marked`): taken
+        when the COMMIT marker still names it (one small read instead of the manifest's)."""
+        return self.read_marked(rel, held)[1]
+
+    def read_marked(self, rel: str, held: Optional[tuple[str, dict]] = None) -> tuple[str, dict]:
+        """(the COMMIT marker: the manifest's sha256, the manifest)."""
         where = f"{self.url}/{rel}/manifest.json"
         try:
             want = self.read_bytes(f"{rel}/COMMIT").decode(errors="replace").strip()
         except FileNotFoundError:
             raise NotCommitted(f"{self.url}/{rel} is not committed") from None
+        if held is not None and held[0] == want:
+            return held
         try:
             mbytes = self.read_bytes(f"{rel}/manifest.json")
         except FileNotFoundError:
@@ -122,7 +130,7 @@ class Store(FileStore):
             manifest = json.loads(mbytes)
         except (ValueError, UnicodeDecodeError) as e:
             raise IntegrityError(f"{where}: not JSON ({e})") from None
-        return _check_manifest(manifest, where)
+        return want, _check_manifest(manifest, where)
 
     def read_verified(self, rel: str, fname: str, entry: dict) -> bytes:
         """One file of a bundle, checked against its manifest entry (size and sha256)."""

@@ -9,6 +9,7 @@ import torch
 from spes.data.tokens import TokenData
 from spes.errors import ConfigError, NodeStateError
 from spes.round import aggregator as aggregator_module
+from spes.round import inputs as inputs_module
 from spes.round import node as node_module
 from spes.round.aggregator import aggregate_round
 from spes.round.context import RoundContext
@@ -141,18 +142,32 @@ def test_rounds_trained_ahead_give_the_same_bits_and_are_taken_only_for_the_inpu
     # the nodes share this test's process with the aggregator, whose one-thread section would change the
     # thread count (and so the float sums) of a round training ahead; a node process has no aggregator
     monkeypatch.setattr(aggregator_module, "one_torch_thread", contextlib.nullcontext)
-    shas = {}
+    asked_fetch, real_fetch = [], inputs_module.fetch_global
+
+    def counted_fetch(store, layout, r, *a, **kw):  # the round's own read of global r-1 (not the prefetch's)
+        asked_fetch.append(r + 1)
+        return real_fetch(store, layout, r, *a, **kw)
+
+    monkeypatch.setattr(inputs_module, "fetch_global", counted_fetch)
+    shas, down = {}, {}
     for mode in ("plain", "ahead"):
         p = make_params(tmp_path, name=mode, overlap="one_round")
         run = start(p)
         aheads = {i: Lookahead() if mode == "ahead" else None for i in (0, 1)}
         trained.clear()
+        asked_fetch.clear()
         for r, nodes in ((1, (0, 1)), (2, (0, 1)), (3, (1,)), (4, (0, 1))):
             for i in nodes:
-                node_round(RoundContext.build(p, "r", run.store), r, i, data, ahead=aheads[i])
+                rep = node_round(RoundContext.build(p, "r", run.store), r, i, data, ahead=aheads[i])
+                down[mode, r, i] = rep.bytes_down
             aggregate_round(RoundContext.build(p, "r", run.store), r, min_nodes=1)
         shas[mode] = [_sha(run, r) for r in (1, 2, 3, 4)]
         if mode == "ahead":
             assert sorted(trained) == sorted([(1, 0, "asked"), (1, 1, "asked"), (2, 0, "ahead"), (2, 1, "ahead"),
                                               (3, 0, "ahead"), (3, 1, "ahead"), (4, 1, "ahead"), (4, 0, "asked")])
+            # globals fetched while the next round trained: a round reads global r-1 itself only in round 1,
+            # and node 0 in round 4 (its prefetch was of global 2; it missed round 3)
+            assert sorted(asked_fetch) == [1, 1, 4]
     assert shas["plain"] == shas["ahead"]
+    # the prefetch's bytes count in the round that uses them (manifests differ by their timings' digits)
+    assert all(abs(down["plain", r, i] - down["ahead", r, i]) < 400 for (_, r, i) in down), sorted(down.items())
