@@ -187,11 +187,11 @@ def _prefetch(ctx: RoundContext, r: int, node: int, inputs: RoundInputs, saved: 
     own = {experts_file(node): (entry["sha256"], saved["files"][EXPERTS_FILE])} if entry else None
 
     def fetch() -> tuple[HeldGlobal, int]:
-        before = store.bytes_read
-        mark, manifest = store.read_marked(layout.global_dir(r))
-        tensors, sha = fetch_global(store, layout, r, manifest, ctx.codec, ctx.method, (r - 1, inputs.prev_sha),
+        apart = store.counted_apart()  # its bytes alone, whatever else reads meanwhile
+        mark, manifest = apart.read_marked(layout.global_dir(r))
+        tensors, sha = fetch_global(apart, layout, r, manifest, ctx.codec, ctx.method, (r - 1, inputs.prev_sha),
                                     lambda: inputs.prev, own)
-        return HeldGlobal(sha, tensors, mark, manifest), store.bytes_read - before
+        return HeldGlobal(sha, tensors, mark, manifest), apart.bytes_read
 
     ahead.prefetch(r, lambda: store.is_committed(layout.global_dir(r)), fetch,
                    time.time() + ctx.p.orchestration.round_timeout_s)

@@ -10,8 +10,8 @@ the attention scores: 12 x layers x heads x head dim x sequence length), over gp
 Transfer per round: the steady round's bytes up, then down, at the link's rate, plus one round trip per file
 moved; with `--storage-link`, the storage side carries every node's bytes at once, and a phase takes as
 long as the slower of the two. The aggregation itself is taken to run beside the storage (not priced).
-Sequential: compute + transfer (how rounds run now). Hidden: max(compute, transfer), the bound a sync that
-overlaps the next round's compute can reach.
+Sequential: compute + transfer (sync.overlap none). Hidden: max(compute, transfer), the bound that
+sync.overlap one_round (the next round trained while this one is sent, aggregated and fetched) approaches.
 """
 from __future__ import annotations
 
@@ -112,5 +112,5 @@ def link_report(plan: dict) -> list[str]:
         f"({plan['files_per_node_round']} files); compute {plan['tokens_per_node_round']:,} tokens in "
         f"{plan['compute_s']:.1f} s",
         f"transfer / compute {plan['transfer_to_compute']:.2f}; round {plan['round_s_sequential']:.1f} s sequential "
-        f"({plan['wall_to_compute_sequential']:.2f}x compute), {plan['round_s_hidden']:.1f} s if the sync were "
-        f"hidden behind compute ({plan['wall_to_compute_hidden']:.2f}x)"]
+        f"({plan['wall_to_compute_sequential']:.2f}x compute), {plan['round_s_hidden']:.1f} s with the sync "
+        f"hidden behind compute (sync.overlap one_round's bound) ({plan['wall_to_compute_hidden']:.2f}x)"]

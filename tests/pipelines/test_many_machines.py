@@ -207,6 +207,8 @@ def test_a_node_whose_machine_stays_dead_moves_to_a_spare_from_its_last_checkpoi
 # -- over slow links (bench/slow_link.py), in this module to share its cluster ------------------------
 WHY_NOT = available()
 LINK = Link(rate_bps=20e6, rtt_s=0.04, loss=0.001)
+STRAGGLER = Link(rate_bps=2e6, rtt_s=0.04, loss=0.001)
+"""Node 1's link: 10x slower than node 0's (a straggler by network, not by compute)."""
 
 
 def _wan_params(root, name: str) -> str:
@@ -236,7 +238,7 @@ class NetMachine(Machine):
 
 @pytest.fixture
 def wan(cluster):
-    with SlowLinks([LINK, LINK], {"s3": service(cluster["endpoint"]), "prefect": service(cluster["api"])}) as net:
+    with SlowLinks([LINK, STRAGGLER], {"s3": service(cluster["endpoint"]), "prefect": service(cluster["api"])}) as net:
         yield net
 
 
@@ -275,11 +277,13 @@ def _run_over(cluster, net, name: str, monkeypatch, during=None):
 def test_a_run_over_slow_links_with_a_cut_ends_bitwise_equal_to_one_over_loopback(cluster, wan, tiny_reference,
                                                                                   monkeypatch):
     """A run over slow links: each node machine in its own network namespace, reaching the S3-compatible
-    server and the Prefect server on this machine through a 20 Mbit/s link with 40 ms of round trip and 0.1%
-    segment loss, the orchestrator on loopback. It ends bitwise equal to the same run over loopback (the
-    session's tiny reference, process executor), with a link cut for longer than a retry mid-run: the round
-    completes within the heartbeat bound, and no partial upload is ever visible. One run shows both (a run of
-    its own per property would double the suite's longest test)."""
+    server and the Prefect server on this machine through its link (node 0: 20 Mbit/s; node 1: 2 Mbit/s, a
+    straggler by network) with 40 ms of round trip and 0.1% segment loss, the orchestrator on loopback. It
+    ends bitwise equal to the same run over loopback (the session's tiny reference, process executor): the
+    quorum is every node, so each round waits for the straggler, whose transfers take the longer its link
+    says. A link cut for longer than a retry mid-run: the round completes within the heartbeat bound, and no
+    partial upload is ever visible. One run shows all three (a run of its own per property would double the
+    suite's longest test)."""
     seen_partial = []
     before = [n.interface_bytes() for n in wan.nodes]
     cut_at = []
@@ -323,6 +327,17 @@ def test_a_run_over_slow_links_with_a_cut_ends_bitwise_equal_to_one_over_loopbac
     assert [n.status for n in rec.nodes] == ["ok", "ok"] and rec.wall_s < 300
     assert rec.wall_s > 15  # the cut hit the round: node 1's upload waited for its link
     assert seen_partial == [], seen_partial
+    # the straggler: every round counted both nodes; node 1's transfers took longer by at least half of what
+    # its bytes need at 2 Mbit/s instead of 20 (rounds 1 and 3: round 2 holds the cut)
+    recs = [rec for rec in run.records(1, ROUNDS) if rec.round != 2]
+    assert all(rec.aggregate.contributors == [0, 1] for rec in run.records(1, ROUNDS))
+
+    def transfer_s(n):
+        return n.upload.seconds_read + n.upload.seconds_upload
+
+    slow = sum(transfer_s(rec.nodes[1]) - transfer_s(rec.nodes[0]) for rec in recs)
+    moved = sum(rec.nodes[1].bytes_up + rec.nodes[1].bytes_down for rec in recs)
+    assert slow >= 0.5 * moved * 8 * (1 / STRAGGLER.rate_bps - 1 / LINK.rate_bps), (slow, moved)
     # the nodes' traffic went over their links: the interfaces carried at least what the relays forwarded
     for node, (up0, down0) in zip(wan.nodes, before):
         up, down = node.interface_bytes()
