@@ -164,6 +164,8 @@ def node_round(ctx: RoundContext, r: int, node: int, data: TokenData,
     trained, optim = t.trainer.upload(), t.trainer.optimizer_tensors()  # every rank: gathers under fsdp
     if inputs is None:  # not rank 0
         return None
+    if ahead is not None:  # copied out: the round trained ahead gets the device's memory
+        t.trainer.release()
     if ahead is None or r >= p.sync.rounds:
         return commit(ctx, r, node, inputs, t, trained, optim, checkpoint, read0, written0, t_read)
     staged: dict = {}

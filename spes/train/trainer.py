@@ -85,6 +85,13 @@ class Trainer:
             [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=1e-8)
 
+    def release(self) -> None:
+        """Let go of the weights, gradients and Adam state once the round's results are copied out
+        (`upload`, `optimizer_tensors`): with sync.overlap the next round builds its model while this round
+        is still being sent, and a device holds one trainer's memory, not two."""
+        self.optimizer.state.clear()
+        self.model.to("meta")
+
     def state_bytes(self) -> int:
         """Bytes this rank holds now of weights (trainable and frozen, in their dtypes), gradients and Adam
         moments: after a step, the memory the planner calls weights + gradients + Adam (activations aside)."""

@@ -132,11 +132,13 @@ def test_rounds_trained_ahead_give_the_same_bits_and_are_taken_only_for_the_inpu
     """Node 1 trains each next round on a thread right after committing one; node 0 misses round 3, so global 3
     does not continue from its state of round 2 and what it trained ahead for round 3 is never taken (its round 4
     trains from what is committed). Both end bitwise equal to the same run with no thread."""
-    trained, real = [], node_module.train
+    trained, results, real = [], {}, node_module.train
 
     def spy(ctx, r, node, data, start_model, *a, log_progress=True, **kw):
         trained.append((r, node, "ahead" if not log_progress else "asked"))
-        return real(ctx, r, node, data, start_model, *a, log_progress=log_progress, **kw)
+        out = real(ctx, r, node, data, start_model, *a, log_progress=log_progress, **kw)
+        results[r, node] = out
+        return out
 
     monkeypatch.setattr(node_module, "train", spy)
     # the nodes share this test's process with the aggregator, whose one-thread section would change the
@@ -168,6 +170,8 @@ def test_rounds_trained_ahead_give_the_same_bits_and_are_taken_only_for_the_inpu
             # globals fetched while the next round trained: a round reads global r-1 itself only in round 1,
             # and node 0 in round 4 (its prefetch was of global 2; it missed round 3)
             assert sorted(asked_fetch) == [1, 1, 4]
+            # a round's trainer let go of its memory once its results were copied out (node 1, rounds 1-3)
+            assert all(p.is_meta for r in (1, 2, 3) for p in results[r, 1].trainer.model.parameters())
     assert shas["plain"] == shas["ahead"]
     # the prefetch's bytes count in the round that uses them (manifests differ by their timings' digits)
     assert all(abs(down["plain", r, i] - down["ahead", r, i]) < 400 for (_, r, i) in down), sorted(down.items())
