@@ -108,7 +108,8 @@ def run_cell(a) -> None:
     for rec in records:
         tokens += rec.tokens
         if rec.heldout_loss is not None:
-            curve.append({"round": rec.round, "tokens": tokens, "heldout_loss": rec.heldout_loss})
+            curve.append({"round": rec.round, "tokens": tokens, "heldout_loss": rec.heldout_loss}
+                         | ({"windows": rec.heldout_windows} if rec.heldout_windows else {}))
     rows = [n for rec in records for n in rec.nodes if n.ok]
     mem = node_memory(dataclasses.replace(vp, model=model.cfg), 0)  # the trained model's own config
     result = {"variant": cell.variant, "seed": cell.seed, "lr": cell.lr, "budget": cell.budget, "run": cell.run_name,
@@ -121,10 +122,21 @@ def run_cell(a) -> None:
               "state_bytes_per_node": max((n.upload.state_bytes or 0 for n in rows), default=0) or None,
               "num_experts": vp.model.num_experts,
               "bytes_per_node_per_round": sum(n.bytes_up + n.bytes_down for n in rows) / max(1, len(rows)),
-              "wall_s": sum(rec.wall_s for rec in records), "curve": curve, "round_windows": p.eval.round_windows}
+              "wall_s": sum(rec.wall_s for rec in records), "curve": curve, "round_windows": p.eval.round_windows,
+              "round_window_documents": round_window_documents(p, data)}
     os.makedirs(a.out, exist_ok=True)
     write_json(os.path.join(a.out, "result.json"), result)
     print(f"compare: {cell.run_name}: held-out loss {ev['loss']:.4f} (SE {ev['se']:.4f}) after {tokens} tokens")
+
+
+def round_window_documents(p, data) -> list[int]:
+    """The document of each window of the per-round held-out slice (eval.round_batches x batch_size windows,
+    spread or first), in the order the round records keep their losses."""
+    from spes.data.tokens import eval_window_starts, window_documents
+
+    e = p.eval
+    starts = eval_window_starts(len(data.val), e.seq_len, e.round_batches * e.batch_size, e.round_windows == "spread")
+    return window_documents(data.val, data.eos_id, e.seq_len, len(starts), starts)
 
 
 def report(a) -> None:

@@ -165,7 +165,7 @@ def summarize(p: Params, results: list[dict]) -> dict:
                 "bytes_per_node_per_round": statistics.fmean(r["bytes_per_node_per_round"] for r in runs),
                 "wall_s": statistics.fmean(r["wall_s"] for r in runs)})
     return {"rows": rows, "sweep": {f"{v}|{b}|{lr}": ms for (v, b, lr), ms in sorted(sweep.items())},
-            "pairs": paired_comparisons(p, by),
+            "pairs": paired_comparisons(p, by), "round_pairs": round_pairs(p, by),
             "frontier": frontier(p, rows, by), "slice": slice_agreement(results)}
 
 
@@ -191,6 +191,37 @@ def paired_comparisons(p: Params, runs: dict) -> list[dict]:
                             "doc_diff": doc_diff, "doc_diff_se": doc_se,
                             "doc_verdict": verdict(doc_diff, doc_se, doc_seeds) if doc_seeds else "-"})
     return out
+
+
+def round_pairs(p: Params, runs: dict) -> list[dict]:
+    """compare.pairs round by round, on each round's held-out slice (eval.round_windows), for the runs whose
+    round records kept each window's loss: variant minus reference paired by seed and window, the SE of the
+    seed-averaged difference clustered by document, and the same with every document weighing the same."""
+    out = []
+    for (variant, reference), budget, lr in ((pair, b, lr) for pair in p.compare.pairs.items()
+                                             for b in p.compare.budgets for lr in p.compare.lrs):
+        ran, ref = runs.get((variant, budget, lr), []), runs.get((reference, budget, lr), [])
+        for rnd in sorted({pt["round"] for r in ran for pt in r.get("curve", []) if pt.get("windows")}):
+            a = [x for x in (_round_slice(r, rnd) for r in sorted(ran, key=lambda r: r["seed"])) if x]
+            b = [x for x in (_round_slice(r, rnd) for r in ref) if x]
+            seeds = seed_differences(a, b)
+            if not seeds:
+                continue
+            diff, se = paired_difference(a, b)
+            doc_diff, doc_se, doc_seeds = paired_difference_by_document(a, b)
+            per_seed = [d for d, _ in seeds]
+            out.append({"variant": variant, "reference": reference, "budget": budget, "lr": lr, "round": rnd,
+                        "tokens": a[0]["tokens"], "seeds": len(per_seed), "diff": diff, "diff_se": se,
+                        "seed_se": seed_se(per_seed), "verdict": verdict(diff, se, per_seed), "doc_diff": doc_diff,
+                        "doc_diff_se": doc_se, "doc_verdict": verdict(doc_diff, doc_se, doc_seeds) if doc_seeds else "-"})
+    return out
+
+
+def _round_slice(result: dict, rnd: int) -> Optional[dict]:
+    """A run's round `rnd` as paired_difference reads a run: its slice's per-window losses and their documents."""
+    pt = next((pt for pt in result.get("curve", []) if pt["round"] == rnd and pt.get("windows")), None)
+    return None if pt is None else {"seed": result["seed"], "heldout_windows": pt["windows"], "tokens": pt["tokens"],
+                                    "heldout_documents": result.get("round_window_documents")}
 
 
 def slice_agreement(results: list[dict]) -> Optional[dict]:

@@ -34,7 +34,8 @@ def report_markdown(p: Params, summary: dict) -> str:
                    f"(compare.node_memory: {c.node_memory}); planned by spes/train/plan.py, measured = what a node's "
                    "tensors held after its last step.\n")
     out += _budget_tables(p, summary, mem_budget)
-    out += _pairs_section(summary) + _frontier_section(p, summary) + _slice_section(summary) + _sweep_section(summary)
+    out += _pairs_section(summary) + _round_pairs_section(summary) + _frontier_section(p, summary)
+    out += _slice_section(summary) + _sweep_section(summary)
     return "\n".join(out) + "\n"
 
 
@@ -82,6 +83,26 @@ def _pairs_section(summary: dict) -> list[str]:
         out.append(f"| {x['variant']} | {x['reference']} | {x['budget']}x | {x['lr']:g} | {x['seeds']} | "
                    f"{x['diff']:+.4f} | {x['diff_se']:.4f} | {', '.join(f'{d:+.4f}' for d in x['per_seed'])} | "
                    f"{seed_se} | {x['verdict']} | {doc} | {x.get('doc_verdict', '-')} |")
+    return out
+
+
+def _round_pairs_section(summary: dict) -> list[str]:
+    rows = summary.get("round_pairs")
+    if not rows:
+        return []
+    out = ["\n## Paired comparisons round by round (on each round's held-out slice)\n",
+           "The same differences on the slice of the held-out split scored after every round (eval.round_batches "
+           "batches, eval.round_windows), for runs whose round records kept each window's loss; the same rule for "
+           "a verdict.\n",
+           "| variant | reference | budget | lr | round | tokens | seeds | difference | document-clustered SE | "
+           "SE over seeds | verdict | per document | its SE | its verdict |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for x in rows:
+        seed_se = "-" if x["seed_se"] is None else f"{x['seed_se']:.4f}"
+        doc = (f"{x['doc_diff']:+.4f} | {x['doc_diff_se']:.4f}" if x.get("doc_diff") is not None else "- | -")
+        out.append(f"| {x['variant']} | {x['reference']} | {x['budget']}x | {x['lr']:g} | {x['round']} | "
+                   f"{x['tokens']} | {x['seeds']} | {x['diff']:+.4f} | {x['diff_se']:.4f} | {seed_se} | "
+                   f"{x['verdict']} | {doc} | {x['doc_verdict']} |")
     return out
 
 

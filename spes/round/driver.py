@@ -51,13 +51,14 @@ class HeldOutProbe:
         self.tokens_dir = tokens_dir or os.path.join(p.artifacts_dir, "tokens")
         self._data: Optional[TokenData] = None
 
-    def __call__(self, run: Run, r: int) -> float:
+    def __call__(self, run: Run, r: int) -> dict:
+        """heldout_loss's result: the loss and each window's (`per_window`)."""
         if self._data is None:
             self._data = TokenData.open(self.tokens_dir)
         e = self.p.eval
         model, _ = run.load_model(r)
         return heldout_loss(model, self._data.val, e.batch_size, e.seq_len, e.round_batches,
-                            e.round_windows == "spread")["loss"]
+                            e.round_windows == "spread")
 
 
 def resume_point(p: Params, run: Run, resume_round, has_local_state=None) -> int:
@@ -94,7 +95,7 @@ def round_members(ctx: RoundContext, r: int) -> list[int]:
 
 
 def run_round(ctx: RoundContext, r: int, run_nodes: NodeRunner, aggregate: Aggregate, checkpoint: bool,
-              heldout: Optional[Callable[[Run, int], float]] = None) -> RoundRecord:
+              heldout: Optional[Callable[[Run, int], dict]] = None) -> RoundRecord:
     """Round r from start to record (see the module docstring); returns its record."""
     t0 = time.time()
     p, run = ctx.p, ctx.run
@@ -115,15 +116,16 @@ def run_round(ctx: RoundContext, r: int, run_nodes: NodeRunner, aggregate: Aggre
                   for _, n in sorted(rows.items()) if not n.ok]
         raise QuorumError(f"{e}" + (f"; {'; '.join(causes)}" if causes else "")) from None
     wall = time.time() - t0
-    loss, heldout_s = None, 0.0
+    loss, windows, heldout_s = None, None, 0.0
     if heldout is not None and heldout_due(p, r):
         t1 = time.time()
-        loss = heldout(run, r)
+        ev = heldout(run, r)
+        loss, windows = ev["loss"], ev.get("per_window")
         heldout_s = time.time() - t1
     reports = [rows[i] for i in sorted(rows)]
     record = RoundRecord(round=r, wall_s=wall, max_node_compute_s=max((n.seconds_compute for n in reports), default=0.0),
                          nodes=reports, aggregate=agg, heldout_loss=loss, heldout_s=heldout_s,
-                         tokens=sum(n.tokens for n in reports))
+                         tokens=sum(n.tokens for n in reports), heldout_windows=windows)
     run.write_record(r, record)
     dropped = run.retire(r, p.storage.keep_rounds, p.checkpoint.keep_last, p.sync.overlap != "none")
     if dropped:

@@ -292,6 +292,10 @@ class RoundRecord(Record):
     heldout_s: float = 0.0
     tokens: int = 0
     version: int = RECORD_VERSION
+    heldout_windows: Optional[list[float]] = None
+    """The loss of each window of the round's held-out slice (eval.round_windows), in the slice's order: two runs'
+    rounds compare window by window (paired, clustered by document: spes/eval/compare.py). None in records
+    written before it was kept."""
 
     def to_json(self) -> dict:
         d = super().to_json()

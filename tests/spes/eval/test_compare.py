@@ -355,3 +355,31 @@ def test_how_far_the_per_round_slice_agrees_with_the_whole_split():
     assert sl["mean_diff"] == pytest.approx((-0.1 - 0.1 + 0.25) / 3) and sl["max_abs_diff"] == pytest.approx(0.25)
     assert sl["pairs_same_order"] == pytest.approx(2 / 3)  # (1,2), (1,3) agree; (2,3) do not
     assert slice_agreement([res(4.0, 4.1)]) is None
+
+
+def test_paired_differences_round_by_round_on_the_rounds_slice():
+    """The hand example above (seed-averaged difference 0.1, document-clustered SE 0.1) as round 2's slice of
+    two runs per variant; round 1 differs by exactly 0.5 in every window (SE 0); a run whose records did not
+    keep the windows (round 3 of seed 1) leaves that round to the seed that has them."""
+    p = load_params(PARAMS_YAML)
+    p.compare.variants = {"a": [], "b": ["merge.enabled=false"]}
+    p.compare.baseline, p.compare.pairs, p.compare.lrs = "b", {"a": "b"}, [0.002]
+    docs = [0, 0, 1, 1]
+
+    def run(variant, seed, r2, r1=1.5, r3=None):
+        curve = [{"round": 1, "tokens": 100, "heldout_loss": r1, "windows": [r1] * 4},
+                 {"round": 2, "tokens": 200, "heldout_loss": sum(r2) / 4, "windows": r2},
+                 {"round": 3, "tokens": 300, "heldout_loss": 2.0} | ({"windows": r3} if r3 else {})]
+        return _result(variant, seed, 0.002, 2.0, curve=curve, round_window_documents=docs)
+
+    results = [run("b", 0, [2.0] * 4, 1.0, [2.0] * 4), run("b", 1, [2.0] * 4, 1.0),
+               run("a", 0, [2.1, 2.3, 1.9, 2.1], r3=[2.5] * 4), run("a", 1, [2.3, 2.1, 2.1, 1.9])]
+    rows = {x["round"]: x for x in summarize(p, results)["round_pairs"]}
+    assert sorted(rows) == [1, 2, 3]
+    assert rows[1]["diff"] == pytest.approx(0.5) and rows[1]["diff_se"] == pytest.approx(0.0)
+    assert rows[2]["diff"] == pytest.approx(0.1) and rows[2]["diff_se"] == pytest.approx(0.1)
+    assert rows[2]["doc_diff"] == pytest.approx(0.1) and rows[2]["seeds"] == 2 and rows[2]["tokens"] == 200
+    assert rows[3]["seeds"] == 1 and rows[3]["diff"] == pytest.approx(0.5)
+    assert rows[3]["verdict"] == "one seed"  # no claim
+    text = report_markdown(p, summarize(p, results))
+    assert "## Paired comparisons round by round" in text and "| a | b | 1x | 0.002 | 2 | 200 | 2 | +0.1000 | 0.1000 |" in text

@@ -80,6 +80,11 @@ def test_a_round_records_what_happened_and_a_missing_quorum_names_the_cause(tmp_
     rec = run_round(ctx, 1, _nodes(p, run, data, 1), lambda rerun: agg.aggregate(1, rerun_rejected=rerun),
                     checkpoint=False, heldout=HeldOutProbe(p, data.folder))
     assert run.record(1) == rec and rec.heldout_loss is not None and rec.heldout_s > 0
+    # each window of the round's slice kept (per-round paired differences: spes/eval/compare.py round_pairs)
+    windows = rec.heldout_windows
+    assert windows is not None and len(windows) == min(p.eval.round_batches * p.eval.batch_size,
+                                                      (len(data.val) - 1) // p.eval.seq_len)
+    assert sum(windows) / len(windows) == pytest.approx(rec.heldout_loss, abs=1e-12)
     assert rec.tokens == 2 * 16 and [n.node for n in rec.nodes] == [0, 1] and all(n.ok for n in rec.nodes)
 
     def one_fails(nodes, checkpoint):
