@@ -107,16 +107,14 @@ def run_cell(a) -> None:
     tokens, curve = 0, []
     for rec in records:
         tokens += rec.tokens
-        if rec.heldout_loss is not None:
-            curve.append({"round": rec.round, "tokens": tokens, "heldout_loss": rec.heldout_loss}
-                         | ({"windows": rec.heldout_windows} if rec.heldout_windows else {}))
+        if rec.heldout_loss is not None:  # with each window of the round's slice where the record kept them
+            curve.append({"round": rec.round, "tokens": tokens, "heldout_loss": rec.heldout_loss,
+                          **({"windows": rec.heldout_windows} if rec.heldout_windows else {})})
     rows = [n for rec in records for n in rec.nodes if n.ok]
     mem = node_memory(dataclasses.replace(vp, model=model.cfg), 0)  # the trained model's own config
     result = {"variant": cell.variant, "seed": cell.seed, "lr": cell.lr, "budget": cell.budget, "run": cell.run_name,
               "rounds": last, "heldout_loss": ev["loss"], "heldout_se": ev["se"], "eval_tokens": ev["tokens"],
-              "heldout_windows": ev["per_window"],
-              "heldout_documents": docs,
-              "tokens": tokens, "trainable_params_per_node": mem["trainable_params"],
+              "heldout_windows": ev["per_window"], "heldout_documents": docs, "tokens": tokens, "trainable_params_per_node": mem["trainable_params"],
               "memory_bytes_per_node": mem["total_bytes"],
               "peak_bytes_per_node": max((n.upload.peak_bytes or 0 for n in rows), default=0) or None,
               "state_bytes_per_node": max((n.upload.state_bytes or 0 for n in rows), default=0) or None,

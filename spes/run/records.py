@@ -6,12 +6,11 @@
     DeltaMeta     what nodes download (rounds/<r>/delta/ manifest meta)
     GlobalMeta    a committed global model (rounds/<r>/global/ manifest meta), with the run's index
     RunIndex      what resume and retention need, carried forward from global to global (O(1) per round)
-    RoundRecord   how a round went (rounds/<r>/record/ manifest meta)
+    RoundRecord   how a round went (rounds/<r>/record/ manifest meta), its held-out slice window by window
 
 Each record is a dataclass with `to_json()` and `from_json(d, where)`; `from_json` checks the shape (keys,
 types: pydantic, strict) and raises RecordError naming the file. `version` is RECORD_VERSION when written;
-one without it is version 0 (before records had versions), read the same way where its fields allow.
-"""
+one without it is version 0 (before records had versions), read the same way where its fields allow."""
 from __future__ import annotations
 
 import dataclasses
@@ -292,10 +291,7 @@ class RoundRecord(Record):
     heldout_s: float = 0.0
     tokens: int = 0
     version: int = RECORD_VERSION
-    heldout_windows: Optional[list[float]] = None
-    """The loss of each window of the round's held-out slice (eval.round_windows), in the slice's order: two runs'
-    rounds compare window by window (paired, clustered by document: spes/eval/compare.py). None in records
-    written before it was kept."""
+    heldout_windows: Optional[list[float]] = None  # each window of the round's held-out slice (compare.round_pairs)
 
     def to_json(self) -> dict:
         d = super().to_json()
