@@ -179,18 +179,24 @@ def paired_comparisons(p: Params, runs: dict) -> list[dict]:
         for budget in p.compare.budgets:
             for lr in p.compare.lrs:
                 ran = sorted(runs.get((variant, budget, lr), []), key=lambda r: r["seed"])
-                seeds = seed_differences(ran, runs.get((reference, budget, lr), []))
-                if not seeds:
-                    continue
-                diff, se = paired_difference(ran, runs.get((reference, budget, lr), []))
-                doc_diff, doc_se, doc_seeds = paired_difference_by_document(ran, runs.get((reference, budget, lr), []))
-                per_seed = [d for d, _ in seeds]
-                out.append({"variant": variant, "reference": reference, "budget": budget, "lr": lr,
-                            "seeds": len(per_seed), "diff": diff, "diff_se": se, "per_seed": per_seed,
-                            "seed_se": seed_se(per_seed), "verdict": verdict(diff, se, per_seed),
-                            "doc_diff": doc_diff, "doc_diff_se": doc_se,
-                            "doc_verdict": verdict(doc_diff, doc_se, doc_seeds) if doc_seeds else "-"})
+                row = _paired(ran, runs.get((reference, budget, lr), []))
+                if row is not None:
+                    out.append({"variant": variant, "reference": reference, "budget": budget, "lr": lr, **row})
     return out
+
+
+def _paired(ran: list[dict], ref: list[dict]) -> Optional[dict]:
+    """`ran` minus `ref` paired by seed and window: the difference, its SEs, each seed's, the verdicts (None
+    for no seed in common)."""
+    seeds = seed_differences(ran, ref)
+    if not seeds:
+        return None
+    diff, se = paired_difference(ran, ref)
+    doc_diff, doc_se, doc_seeds = paired_difference_by_document(ran, ref)
+    per_seed = [d for d, _ in seeds]
+    return {"seeds": len(per_seed), "diff": diff, "diff_se": se, "per_seed": per_seed, "seed_se": seed_se(per_seed),
+            "verdict": verdict(diff, se, per_seed), "doc_diff": doc_diff, "doc_diff_se": doc_se,
+            "doc_verdict": verdict(doc_diff, doc_se, doc_seeds) if doc_seeds else "-"}
 
 
 def round_pairs(p: Params, runs: dict) -> list[dict]:
@@ -203,17 +209,10 @@ def round_pairs(p: Params, runs: dict) -> list[dict]:
         ran, ref = runs.get((variant, budget, lr), []), runs.get((reference, budget, lr), [])
         for rnd in sorted({pt["round"] for r in ran for pt in r.get("curve", []) if pt.get("windows")}):
             a = [x for x in (_round_slice(r, rnd) for r in sorted(ran, key=lambda r: r["seed"])) if x]
-            b = [x for x in (_round_slice(r, rnd) for r in ref) if x]
-            seeds = seed_differences(a, b)
-            if not seeds:
-                continue
-            diff, se = paired_difference(a, b)
-            doc_diff, doc_se, doc_seeds = paired_difference_by_document(a, b)
-            per_seed = [d for d, _ in seeds]
-            out.append({"variant": variant, "reference": reference, "budget": budget, "lr": lr, "round": rnd,
-                        "tokens": a[0]["tokens"], "seeds": len(per_seed), "diff": diff, "diff_se": se,
-                        "seed_se": seed_se(per_seed), "verdict": verdict(diff, se, per_seed), "doc_diff": doc_diff,
-                        "doc_diff_se": doc_se, "doc_verdict": verdict(doc_diff, doc_se, doc_seeds) if doc_seeds else "-"})
+            row = _paired(a, [x for x in (_round_slice(r, rnd) for r in ref) if x])
+            if row is not None:
+                out.append({"variant": variant, "reference": reference, "budget": budget, "lr": lr, "round": rnd,
+                            "tokens": a[0]["tokens"], **row})
     return out
 
 

@@ -78,12 +78,17 @@ def _pairs_section(summary: dict) -> list[str]:
             "SE over seeds | verdict | per document | its SE | its verdict |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in summary["pairs"]:
-        seed_se = "-" if x["seed_se"] is None else f"{x['seed_se']:.4f}"
-        doc = (f"{x['doc_diff']:+.4f} | {x['doc_diff_se']:.4f}" if x.get("doc_diff") is not None else "- | -")
+        seed_se, doc = _se_columns(x)
         out.append(f"| {x['variant']} | {x['reference']} | {x['budget']}x | {x['lr']:g} | {x['seeds']} | "
                    f"{x['diff']:+.4f} | {x['diff_se']:.4f} | {', '.join(f'{d:+.4f}' for d in x['per_seed'])} | "
                    f"{seed_se} | {x['verdict']} | {doc} | {x.get('doc_verdict', '-')} |")
     return out
+
+
+def _se_columns(x: dict) -> tuple[str, str]:
+    """A paired row's SE over seeds, and its per-document difference and SE ('-' where there are none)."""
+    seed_se = "-" if x["seed_se"] is None else f"{x['seed_se']:.4f}"
+    return seed_se, (f"{x['doc_diff']:+.4f} | {x['doc_diff_se']:.4f}" if x.get("doc_diff") is not None else "- | -")
 
 
 def _round_pairs_section(summary: dict) -> list[str]:
@@ -98,8 +103,7 @@ def _round_pairs_section(summary: dict) -> list[str]:
            "SE over seeds | verdict | per document | its SE | its verdict |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in rows:
-        seed_se = "-" if x["seed_se"] is None else f"{x['seed_se']:.4f}"
-        doc = (f"{x['doc_diff']:+.4f} | {x['doc_diff_se']:.4f}" if x.get("doc_diff") is not None else "- | -")
+        seed_se, doc = _se_columns(x)
         out.append(f"| {x['variant']} | {x['reference']} | {x['budget']}x | {x['lr']:g} | {x['round']} | "
                    f"{x['tokens']} | {x['seeds']} | {x['diff']:+.4f} | {x['diff_se']:.4f} | {seed_se} | "
                    f"{x['verdict']} | {doc} | {x['doc_verdict']} |")
