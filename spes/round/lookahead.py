@@ -1,6 +1,6 @@
 """sync.overlap one_round in time: the next round trained while this one is synchronised.
 
-Once a node has its delta of round r (before it uploads it), its process starts round r+1 on a thread,
+Once a node has its delta of round r (before it encodes and uploads it), its process starts round r+1 on a thread,
 from what it holds in memory (global r-1 plus that delta, its optimizer state after round r). The upload of
 round r, the orchestrator's aggregation and the download of global r (a second thread fetches it as soon as
 it is committed, `prefetch`) then happen while round r+1 trains. When round r+1 is asked for, its inputs
@@ -12,6 +12,7 @@ one thread trains at a time (torch's random generator is the process's).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -125,6 +126,12 @@ class Lookahead:
         self._thread = threading.Thread(target=run, name=f"node-{assumed.node}-round-{assumed.round}-ahead",
                                         daemon=True)
         self._thread.start()
+
+    def settle(self, state_digest: str) -> None:
+        """The digest of the state the round trained ahead continues from, once that state is kept (it starts
+        before, beside the encoding; with no digest it matches no round asked for)."""
+        if self._assumed is not None:
+            self._assumed = dataclasses.replace(self._assumed, state_digest=state_digest)
 
     def take(self, wanted: Assumed) -> Optional[Any]:
         """The result trained ahead if it is for `wanted` (waiting for its last steps), else None; either way

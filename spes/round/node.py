@@ -79,11 +79,12 @@ def _check_finite(losses: list[float], first_step: int, node: int, r: int, train
 
 def commit(ctx: RoundContext, r: int, node: int, inputs: RoundInputs, t: Trained, trained: dict[str, torch.Tensor],
            optim: dict[str, torch.Tensor], checkpoint: bool, bytes_read0: int, bytes_written0: int,
-           seconds_read: float = 0.0, on_staged: Optional[Callable[[dict, Optional[dict]], None]] = None) -> NodeReport:
+           seconds_read: float = 0.0, on_delta: Optional[Callable[[dict], None]] = None,
+           on_staged: Optional[Callable[[dict], None]] = None) -> NodeReport:
     """Rank 0: encode the upload (`trained`: the trainer's upload), keep the node's state (`optim`: its
     optimizer tensors) and checkpoint it, commit the upload. `seconds_read`: what reading the inputs took.
-    `on_staged(saved state, the node's exact delta or None)` is called once the state is kept here, before
-    anything is sent (sync.overlap starts the next round there)."""
+    With sync.overlap, `on_delta(the node's exact delta)` is called as soon as it is known (the next round
+    starts there, beside the encoding) and `on_staged(saved state)` once the state is kept here."""
     t2 = time.perf_counter()
     p, store, layout, codec = ctx.p, ctx.store, ctx.layout, ctx.codec
     first_step = (r - 1) * p.sync.every_steps
@@ -94,14 +95,16 @@ def commit(ctx: RoundContext, r: int, node: int, inputs: RoundInputs, t: Trained
         residual = {n: remap_rows(v, state.owned, t.trainer.owned) if is_expert_param(n) else v
                     for n, v in residual.items()}
     owned = t.trainer.owned
+    sent = own_delta(ctx.method, inputs.start, trained, owned) if p.sync.overlap != "none" else None
+    if on_delta is not None and sent is not None:
+        on_delta(sent)
     files, residual = encode_upload(ctx.method, codec, inputs.start, trained, owned, residual, p.sync.error_feedback)
     if p.sync.average_optimizer_state:
         files[MOMENTS_FILE] = averaged_moments(ctx.method, optim)
-    sent = own_delta(ctx.method, inputs.start, trained, owned) if p.sync.overlap != "none" else None
     saved = local.save_state(r, t.position, optim, residual, files.get(EXPERTS_FILE, {}), owned, sent,
                              (r - 1, inputs.prev_sha))
     if on_staged is not None:
-        on_staged(saved, sent)
+        on_staged(saved)
     if checkpoint:  # the same files, so the same digest: a resume can take it from either place
         store.remove(layout.state_dir(r, node))
         store.write_bundle(layout.state_dir(r, node), saved["files"], saved["meta"])
@@ -170,12 +173,15 @@ def node_round(ctx: RoundContext, r: int, node: int, data: TokenData,
         return commit(ctx, r, node, inputs, t, trained, optim, checkpoint, read0, written0, t_read)
     staged: dict = {}
 
-    def on_staged(saved: dict, sent: Optional[dict]) -> None:  # round r+1 trains while round r is sent
-        staged.update(saved=saved)
-        if sent is not None:
-            _train_ahead(ctx, r + 1, node, data, inputs, t, sent, optim, saved["digest"], ahead)
+    def on_delta(sent: dict) -> None:  # round r+1 trains while round r is encoded, sent and aggregated
+        _train_ahead(ctx, r + 1, node, data, inputs, t, sent, optim, ahead)
 
-    report = commit(ctx, r, node, inputs, t, trained, optim, checkpoint, read0, written0, t_read, on_staged)
+    def on_staged(saved: dict) -> None:  # the state round r+1 trained ahead continues from
+        staged.update(saved=saved)
+        ahead.settle(saved["digest"])
+
+    report = commit(ctx, r, node, inputs, t, trained, optim, checkpoint, read0, written0, t_read, on_delta,
+                    on_staged)
     _prefetch(ctx, r, node, inputs, staged["saved"], ahead)
     return report
 
@@ -200,13 +206,14 @@ def _prefetch(ctx: RoundContext, r: int, node: int, inputs: RoundInputs, saved: 
 
 
 def _train_ahead(ctx: RoundContext, r: int, node: int, data: TokenData, before: RoundInputs, t: Trained,
-                 sent: dict[str, torch.Tensor], optim: dict[str, torch.Tensor], digest: str, ahead: Lookahead) -> None:
+                 sent: dict[str, torch.Tensor], optim: dict[str, torch.Tensor], ahead: Lookahead) -> None:
     """Start round r on a thread from what round r-1 left in memory: global r-2 + the node's delta of round
-    r-1 (the start read_inputs builds for round r from the same state), its optimizer state, same experts."""
+    r-1 (the start read_inputs builds for round r from the same state), its optimizer state, same experts;
+    the state's digest is settled once the state is kept (until then the result matches no round)."""
     owned = t.trainer.owned
     start = with_own_delta(ctx.method, before.prev, sent, owned)
     job = Assignment(before.model_config, t.position, owned, before.slot, expert_steps(optim))
-    assumed = Assumed(ctx.name, ctx.p, r, node, data.folder, digest, (r - 2, before.prev_sha), owned, before.slot,
+    assumed = Assumed(ctx.name, ctx.p, r, node, data.folder, "", (r - 2, before.prev_sha), owned, before.slot,
                       t.position, before.model_config, torch.get_num_threads())
     ahead.start(assumed, lambda: train(ctx, r, node, data, start, optim, job, log_progress=False))
 
