@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from spes.data.tokens import TokenData
-from spes.errors import NonFiniteLoss
+from spes.errors import NonFiniteLoss, StorageError
 from spes.model.names import is_expert_param
 from spes.round.context import RoundContext
 from spes.round.fetch import fetch_global
@@ -199,6 +199,8 @@ def _prefetch(ctx: RoundContext, r: int, node: int, inputs: RoundInputs, saved: 
         mark, manifest = apart.read_marked(layout.global_dir(r))
         tensors, sha = fetch_global(apart, layout, r, manifest, ctx.codec, ctx.method, (r - 1, inputs.prev_sha),
                                     lambda: inputs.prev, own)
+        if inputs.local.save_base(r, tensors) != sha:  # kept here too, out of the next round's own time
+            raise StorageError(f"node {node}: global {r} as kept here does not hash to the committed {sha[:12]}")
         return HeldGlobal(sha, tensors, mark, manifest), apart.bytes_read
 
     ahead.prefetch(r, lambda: store.is_committed(layout.global_dir(r)), fetch,

@@ -173,5 +173,8 @@ def test_rounds_trained_ahead_give_the_same_bits_and_are_taken_only_for_the_inpu
             # a round's trainer let go of its memory once its results were copied out (node 1, rounds 1-3)
             assert all(p.is_meta for r in (1, 2, 3) for p in results[r, 1].trainer.model.parameters())
     assert shas["plain"] == shas["ahead"]
-    # the prefetch's bytes count in the round that uses them (manifests differ by their timings' digits)
-    assert all(abs(down["plain", r, i] - down["ahead", r, i]) < 400 for (_, r, i) in down), sorted(down.items())
+    # the prefetch's bytes count in the round that uses them (manifests differ by their timings' digits); node 0
+    # in round 4 holds global 2 here (its prefetch kept it), global 1 without threads: it reads less
+    same = [(r, i) for (mode, r, i) in down if mode == "plain" and (r, i) != (4, 0)]
+    assert all(abs(down["plain", r, i] - down["ahead", r, i]) < 400 for r, i in same), sorted(down.items())
+    assert down["ahead", 4, 0] < down["plain", 4, 0]
