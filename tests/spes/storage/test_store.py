@@ -106,3 +106,19 @@ def test_exclusive_create_without_hard_links(tmp_path, monkeypatch):
     with pytest.raises(FileExistsError):
         s.create_exclusive("d/a.json", b"2")
     assert s.read_bytes("d/a.json") == b"1" and s.list_names("d") == ["a.json"]
+
+
+def test_a_manifest_read_before_is_taken_only_while_its_commit_marker_names_it(tmp_path):
+    store = Store(str(tmp_path))
+    store.write_bundle("b", {"x.safetensors": {"t": torch.ones(2)}}, {"round": 1})
+    held = store.read_marked("b")
+    before = store.bytes_read
+    assert store.read_manifest("b", held) is held[1]
+    assert store.bytes_read - before == len(held[0])  # only the COMMIT marker was read
+    store.remove("b")
+    store.write_bundle("b", {"x.safetensors": {"t": torch.zeros(2)}}, {"round": 1})  # the same round, written anew
+    again = store.read_manifest("b", held)
+    assert again is not held[1] and again["files"] != held[1]["files"]
+    twin = store.counted_apart()  # the same storage with counters of its own
+    twin.read_manifest("b")
+    assert twin.bytes_read > 0 and store.bytes_read - before > 0 and twin.root == store.root
