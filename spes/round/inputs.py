@@ -9,9 +9,10 @@ global r-1 instead. Either way the start is a function of what is committed, so 
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -100,7 +101,7 @@ def read_inputs(ctx: RoundContext, r: int, node: int, from_checkpoint: bool = Fa
     # its own experts' rows in the delta are the bytes it uploaded last: no need to download them back
     own_cached = {experts_file(node): (state.experts_sha256, state.experts_upload)} \
         if state is not None and state.experts_upload else None
-    held, load_held = local.base(), _once(local.load_base)  # the chain to global r-1 starts from it, an overlapped start too
+    held, load_held = local.base(), functools.cache(local.load_base)  # the chain to global r-1 starts from it, an overlapped start too
     want = prev_manifest["files"][MODEL_FILE]["sha256"]
     if held_prev is not None and held_prev.sha256 == want:
         prev, prev_sha = held_prev.tensors, want
@@ -120,18 +121,6 @@ def read_inputs(ctx: RoundContext, r: int, node: int, from_checkpoint: bool = Fa
         raise StorageError(f"node {node}: global {r - 1} as held here does not hash to the committed {prev_sha[:12]}")
     return RoundInputs(prev, prev_sha, prev_meta.model_config, state, ref, local, owned, membership.slots[node],
                        position, start)
-
-
-def _once(load: Callable[[], dict]) -> Callable[[], dict]:
-    """`load`, called at most once (the held global is read once however many use it)."""
-    kept: dict = {}
-
-    def get() -> dict:
-        if "t" not in kept:
-            kept["t"] = load()
-        return kept["t"]
-
-    return get
 
 
 def _start_model(ctx: RoundContext, r: int, node: int, state: Optional[NodeState], owned: tuple[int, ...],
