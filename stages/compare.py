@@ -71,7 +71,7 @@ def run_cell(a) -> None:
 
     from spes.data.tokens import TokenData, window_documents
     from spes.eval.compare import Cell, variant_params
-    from spes.eval.heldout import heldout_loss
+    from spes.eval.heldout import heldout_loss, heldout_windows
     from spes.eval.stats import clustered_se
     from spes.run.run import Run
     from spes.train.plan import node_memory
@@ -100,8 +100,9 @@ def run_cell(a) -> None:
     last = run_.latest_round()
     model, _ = run_.load_model(last)
     data = TokenData.open(os.path.join(p.artifacts_dir, "tokens"))
-    ev = heldout_loss(model, data.val, p.eval.batch_size, p.eval.seq_len)
-    docs = window_documents(data.val, data.eos_id, p.eval.seq_len, ev["windows"])
+    starts = heldout_windows(p.eval, data, whole=True)
+    ev = heldout_loss(model, data.val, p.eval.batch_size, p.eval.seq_len, starts=starts)
+    docs = window_documents(data.val, data.eos_id, p.eval.seq_len, len(starts), starts)
     ev["se"] = clustered_se(ev["per_window"], docs)  # windows of one document are not independent
     records = run_.records(1, last)
     tokens, curve = 0, []
@@ -130,11 +131,11 @@ def run_cell(a) -> None:
 def round_window_documents(p, data) -> list[int]:
     """The document of each window of the per-round held-out slice (eval.round_batches x batch_size windows,
     spread or first), in the order the round records keep their losses."""
-    from spes.data.tokens import eval_window_starts, window_documents
+    from spes.data.tokens import window_documents
+    from spes.eval.heldout import heldout_windows
 
-    e = p.eval
-    starts = eval_window_starts(len(data.val), e.seq_len, e.round_batches * e.batch_size, e.round_windows == "spread")
-    return window_documents(data.val, data.eos_id, e.seq_len, len(starts), starts)
+    starts = heldout_windows(p.eval, data, per_round=True)
+    return window_documents(data.val, data.eos_id, p.eval.seq_len, len(starts), starts)
 
 
 def report(a) -> None:
@@ -232,16 +233,18 @@ def study_dvcfile(params_path: str) -> dict:
     report_outs = ["report.md", "report.csv", "pairs.csv", "heldout_curves.csv", "heldout_curves.svg"]
     if has_frontier(resolved):
         report_outs.append("frontier.svg")
+    data = p.artifacts_dir.rstrip("/")
     return {
         "stages": {
+            **(_data_stages(preset, data) if data != MAIN_ARTIFACTS else {}),
             "run": {
                 "matrix": {"variant": list(c.variants), "seed": list(c.seeds), "lr": list(c.lrs),
                            "budget": list(c.budgets)},
                 "wdir": "../..",
                 "cmd": f"python -m stages.compare run --params {preset} --variant ${{item.variant}} --seed "
                        f"${{item.seed}} --lr ${{item.lr}} --budget ${{item.budget}} --out {out}/runs/${{key}}",
-                "deps": ["stages/compare.py", "stages/rounds.py", "spes", "pipelines", "artifacts/tokens",
-                         "artifacts/init"],
+                "deps": ["stages/compare.py", "stages/rounds.py", "spes", "pipelines", f"{data}/tokens",
+                         f"{data}/init"],
                 "params": run_params,
                 "outs": [{f"{out}/runs/${{key}}/result.json": {"cache": False}}]},
             "report": {
@@ -252,6 +255,24 @@ def study_dvcfile(params_path: str) -> dict:
                 "outs": [{f"{out}/{name}": {"cache": False}} for name in report_outs]}},
         "plots": [{"heldout loss vs tokens": {"template": "compare_lines", "x": "tokens",
                                               "y": {f"../../{out}/heldout_curves.csv": "heldout_loss"}}}]}
+
+
+MAIN_ARTIFACTS = "artifacts"
+"""The main pipeline's artifacts_dir: a study whose preset names another makes its own tokens, dense model
+and initial model there (its own corpus), by the main pipeline's stages run on the preset."""
+
+
+def _data_stages(preset: str, data: str) -> dict:
+    def stage(name: str, deps: list[str], out: str, numbers: str = "") -> dict:
+        figures = {"outs": [{f"{data}/{numbers}/timings.json": {"cache": False}}],  # as dvc.yaml's stages
+                   "metrics": [{f"{data}/{numbers}/metrics.json": {"cache": False}}]} if numbers else {"outs": []}
+        return {"wdir": "../..", "cmd": f"python -m stages.{name} --params {preset}", "deps": [f"stages/{name}.py", *deps],
+                "params": [{preset: []}, {"params.yaml": ["tokenize", "model", "dense", "init", "data", "eval"]}],
+                **figures, "outs": [f"{data}/{out}", *figures["outs"]]}
+
+    return {"tokenize": stage("tokenize", ["spes/data"], "tokens", "tokenize"),
+            "dense": stage("dense", ["spes/model", "spes/train", f"{data}/tokens"], "dense/hf", "dense"),
+            "upcycle": stage("upcycle", ["spes/model", f"{data}/dense/hf", f"{data}/tokens"], "init")}
 
 
 def write_dvcfile(a) -> None:

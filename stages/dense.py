@@ -28,7 +28,7 @@ def main() -> None:
 
     from spes.data.tokenization import hf_tokenizer
     from spes.data.tokens import BatchStream, TokenData, check_vocab
-    from spes.eval.heldout import heldout_loss
+    from spes.eval.heldout import heldout_loss, heldout_windows
     from spes.model.hf import export_hf
     from spes.model.transformer import CausalLM
     from spes.train.devices import resolve_device
@@ -43,15 +43,15 @@ def main() -> None:
     trainer = Trainer(model, (), p.dense.optim, p.dense.steps, autocast_dtype=p.train.autocast)
     # one reader in the run's data order, keyed by its own seed
     stream = BatchStream(data.train, p.dense.batch_size, p.dense.seq_len, p.dense.seed, node=0, order=p.data.order)
-    e = p.eval
-    before = heldout_loss(model, data.val, e.batch_size, e.seq_len, e.batches)["loss"]
+    e, windows = p.eval, heldout_windows(p.eval, data)
+    before = heldout_loss(model, data.val, e.batch_size, e.seq_len, starts=windows)["loss"]
     t0 = time.time()
     for step in range(p.dense.steps):
         m = trainer.train_step(*stream.next(), step)
         if step % 50 == 0 or step == p.dense.steps - 1:
             print(f"dense step {step}: loss {float(m.ce):.4f}")
     secs = time.time() - t0
-    after = heldout_loss(model, data.val, e.batch_size, e.seq_len, e.batches)["loss"]
+    after = heldout_loss(model, data.val, e.batch_size, e.seq_len, starts=windows)["loss"]
     model.to("cpu")
     arch = {"auto": None}.get(p.dense.export_arch, p.dense.export_arch)
     shutil.rmtree(hf_dir, ignore_errors=True)

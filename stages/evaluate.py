@@ -49,7 +49,7 @@ def main() -> None:
 
     from spes.data.tokenization import hf_tokenizer
     from spes.data.tokens import TokenData
-    from spes.eval.heldout import heldout_loss, run_lm_eval
+    from spes.eval.heldout import heldout_loss, heldout_windows, run_lm_eval
     from spes.model.hf import export_hf, to_hf
     from spes.model.transformer import CausalLM
     from spes.run.run import Run
@@ -66,7 +66,8 @@ def main() -> None:
     device = resolve_device(p.orchestration.device)
 
     def evaluate(model, what: str):
-        return heldout_loss(model.to(device), data.val, e.batch_size, e.seq_len, e.batches, progress=f"evaluate: {what}")
+        return heldout_loss(model.to(device), data.val, e.batch_size, e.seq_len, progress=f"evaluate: {what}",
+                            starts=heldout_windows(e, data))
 
     initial = evaluate(run.load_model(0)[0], "the initial model (round 0)")["loss"]
     model, manifest = run.load_model(rounds[-1])

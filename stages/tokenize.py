@@ -34,7 +34,8 @@ def main() -> None:
         stats = tokenize_corpus(docs, work, p.model.vocab_size, t.tokenizer, t.val_fraction, t.seed, t.shard_tokens,
                                 t.bpe_sample_docs, t.eos_token, progress=sys.stderr.isatty())
         stats.update(seconds=round(time.time() - t0, 2), corpus=t.dataset or t.corpus or "python-stdlib",
-                     files=corpus.files, bad_files=len(corpus.bad_files), empty_documents=corpus.empty)
+                     files=corpus.files, bad_files=len(corpus.bad_files), empty_documents=corpus.empty,
+                     **({"python_sources": corpus.versions} if corpus.versions else {}))
         replace_folder(work, final)  # only a complete folder replaces the old one
     finally:
         shutil.rmtree(work, ignore_errors=True)

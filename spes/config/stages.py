@@ -121,6 +121,10 @@ class EvalConfig:
     """Which windows the per-round held-out loss uses: 'spread' = evenly spaced over the whole split (each
     document about its share: an estimate of the whole split's loss), 'first' = the first ones (before
     2026-12: 16 batches of the default split came from 5 of its 46 documents)."""
+    max_windows_per_document: Optional[int] = None
+    """At most this many held-out windows of one document are scored (a longer document's evenly spaced over
+    it), so that no document holds more than its share: None = every window (the scores of runs before
+    2026-12-06; on the embedded default the three longest of 48 documents hold 38% of the windows)."""
     lm_eval_tasks: list[str] = field(default_factory=list)
     """lm-eval task names (or names defined in `lm_eval_include`); empty = skip."""
     lm_eval_include: Optional[str] = None
@@ -131,6 +135,8 @@ class EvalConfig:
         need((e.batches is None or e.batches >= 1) and e.batch_size >= 1,
              "eval.batches (or null) and eval.batch_size must be >= 1")
         need(e.every_rounds >= 0 and e.round_batches >= 1, "eval.every_rounds must be >= 0 and eval.round_batches >= 1")
+        need(e.max_windows_per_document is None or e.max_windows_per_document >= 1,
+             f"eval.max_windows_per_document must be >= 1 or null, got {e.max_windows_per_document}")
         need(e.round_windows in ROUND_WINDOWS,
              f"eval.round_windows must be {'|'.join(ROUND_WINDOWS)}, got {e.round_windows!r}")
 

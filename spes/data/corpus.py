@@ -5,7 +5,10 @@ Sources (spes.config.TokenizeConfig):
   By extension (or `corpus_format`): text (each file one document), json/jsonl (one object per line, or a
   JSON array; `.gz`/`.zst` etc. decompressed on the fly), parquet (read in row batches, one column).
 - a Hugging Face hub dataset by id (`dataset`, with `dataset_name`, `dataset_split`, `streaming`).
-- nothing: the Python standard library's source (real text on every machine).
+- nothing: the Python standard library's source (real text on every machine), its first `max_files` files.
+- `python:stdlib` (the standard library's source without its tests), `python:stdlib-tests` (its test
+  suites), `python:<package>` (an installed package's .py files, e.g. `python:torch`): larger real corpora
+  that every machine with that Python and those packages has, in a corpus spec beside files (commas).
 
 A file that cannot be read or decoded stops the stage with its name, or with `skip_bad_files` is skipped
 and counted. Empty documents are skipped.
@@ -13,10 +16,13 @@ and counted. Empty documents are skipped.
 from __future__ import annotations
 
 import glob
+import importlib.metadata
+import importlib.util
 import io
 import json
 import logging
 import os
+import platform
 import sysconfig
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
@@ -34,15 +40,42 @@ class CorpusStats:
     bad_files: list[str] = field(default_factory=list)
     documents: int = 0
     empty: int = 0
+    versions: dict[str, str] = field(default_factory=dict)
+    """The version of each Python source a `python:` spec read (the corpus is that version's text)."""
 
 
 def default_corpus_files(max_files: int) -> list[str]:
-    stdlib = sysconfig.get_paths()["stdlib"]
-    files = sorted(f for f in glob.glob(os.path.join(stdlib, "**", "*.py"), recursive=True)
-                   if "site-packages" not in f and os.sep + "test" not in f)
+    return python_source_files("stdlib")[:max_files]
+
+
+PYTHON = "python:"
+
+
+def python_source_files(name: str, versions: Optional[dict[str, str]] = None) -> list[str]:
+    """The .py files of `python:<name>`, sorted: the stdlib without its tests ('stdlib'), its tests
+    ('stdlib-tests') or an installed package; `versions` gets the version of what was read."""
+    if name in ("stdlib", "stdlib-tests"):
+        root = sysconfig.get_paths()["stdlib"]
+        tests = name == "stdlib-tests"
+        files = sorted(f for f in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+                       if "site-packages" not in f and (os.sep + "test" in f[len(root):]) == tests)
+        version = platform.python_version()
+    else:
+        spec = importlib.util.find_spec(name) if name.isidentifier() else None
+        if spec is None or not spec.submodule_search_locations:
+            raise CorpusError(f"corpus {PYTHON}{name}: no installed package {name!r} (python:stdlib, "
+                              "python:stdlib-tests or an installed package's name)")
+        files = sorted(f for d in spec.submodule_search_locations
+                       for f in glob.glob(os.path.join(d, "**", "*.py"), recursive=True))
+        try:
+            version = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:  # a package of the stdlib (python:json): Python's version
+            version = platform.python_version()
     if not files:
-        raise CorpusError(f"no .py files found under the stdlib at {stdlib}")
-    return files[:max_files]
+        raise CorpusError(f"corpus {PYTHON}{name}: no .py files found")
+    if versions is not None:
+        versions[name] = version
+    return files
 
 
 def _format_of(path: str, fmt: str) -> str:
@@ -58,11 +91,15 @@ def _format_of(path: str, fmt: str) -> str:
     return "text"
 
 
-def expand(spec: str | list[str], storage_options: Optional[dict] = None) -> list[str]:
+def expand(spec: str | list[str], storage_options: Optional[dict] = None,
+           versions: Optional[dict[str, str]] = None) -> list[str]:
     """Every file a corpus spec names, in a stable order; a pattern that matches nothing is an error."""
     specs = spec if isinstance(spec, list) else [s.strip() for s in spec.split(",") if s.strip()]
     out = []
     for s in specs:
+        if s.startswith(PYTHON):
+            out += python_source_files(s[len(PYTHON):], versions)
+            continue
         fs, _, paths = fsspec.get_fs_token_paths(s, storage_options=storage_options or {})
         paths = sorted(p for p in paths if not fs.isdir(p))
         if not paths:
@@ -146,7 +183,7 @@ def iter_documents(t, storage_options: Optional[dict] = None, stats: Optional[Co
     if t.dataset:
         sources: list[tuple[str, Optional[Iterator[str]]]] = [(t.dataset, hub_documents(t.dataset, t.dataset_name, t.dataset_split, t.streaming, t.text_field))]
     else:
-        files = expand(t.corpus, storage_options) if t.corpus else default_corpus_files(t.max_files)
+        files = expand(t.corpus, storage_options, stats.versions) if t.corpus else default_corpus_files(t.max_files)
         sources = [(f, None) for f in files]
     for where, docs in sources:
         stats.files += 1

@@ -195,18 +195,38 @@ def eval_window_starts(n_tokens: int, seq_len: int, count: Optional[int] = None,
     n_windows = (n_tokens - 1) // seq_len
     if n_windows == 0:
         raise DataError(f"held-out split has {n_tokens} tokens, fewer than one window of {seq_len + 1}")
-    if count is None or count >= n_windows:
-        return np.arange(n_windows) * seq_len
-    idx = np.arange(count) * n_windows // count if spread else np.arange(count)
-    return idx * seq_len
+    return _chosen(np.arange(n_windows) * seq_len, count, spread)
+
+
+def _chosen(starts: np.ndarray, count: Optional[int], spread: bool) -> np.ndarray:
+    if count is None or count >= len(starts):
+        return starts
+    return starts[np.arange(count) * len(starts) // count if spread else np.arange(count)]
+
+
+def heldout_window_starts(tokens: Tokens, eos_id: int, seq_len: int, count: Optional[int] = None,
+                          spread: bool = False, max_per_document: Optional[int] = None) -> np.ndarray:
+    """eval_window_starts, with at most `max_per_document` windows of each document (the document of a window's
+    first token; a longer document's kept windows evenly spaced over it) before the first/spread choice: no
+    document holds more than that many of the scored windows, so a few long files cannot decide the mean."""
+    tokens = as_sequence(tokens)
+    every = eval_window_starts(len(tokens), seq_len)
+    if max_per_document is None:
+        return _chosen(every, count, spread)
+    docs = np.asarray(window_documents(tokens, eos_id, seq_len, len(every), every))
+    _, first, n = np.unique(docs, return_index=True, return_counts=True)  # docs ascend: each one a run
+    keep = [f + np.arange(min(c, max_per_document)) * c // min(c, max_per_document) for f, c in zip(first, n)]
+    return _chosen(every[np.concatenate(keep)], count, spread)
 
 
 def eval_batches(tokens: Tokens, batch_size: int, seq_len: int, num_batches: Optional[int] = None,
-                 spread: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                 spread: bool = False, starts: Optional[np.ndarray] = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Fixed, non-overlapping windows of the held-out split (same for every model): all of it (num_batches
-    None), else `num_batches` batches of the first windows, or (spread) of windows evenly spaced over it."""
+    None), else `num_batches` batches of the first windows, or (spread) of windows evenly spaced over it; or
+    the windows at `starts` (heldout_window_starts)."""
     tokens = as_sequence(tokens)
-    starts = eval_window_starts(len(tokens), seq_len, None if num_batches is None else num_batches * batch_size,
-                                spread)
+    if starts is None:
+        starts = eval_window_starts(len(tokens), seq_len, None if num_batches is None else num_batches * batch_size,
+                                    spread)
     for i in range(0, len(starts), batch_size):
         yield _window_batch(tokens, starts[i:i + batch_size], seq_len)

@@ -8,24 +8,30 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
+from spes.config.stages import EvalConfig
 from spes.data.shards import TokenSequence
-from spes.data.tokens import as_sequence, eval_batches, eval_window_starts
+from spes.data.tokens import TokenData, as_sequence, eval_batches, eval_window_starts, heldout_window_starts
 from spes.model.transformer import CausalLM
 
 
 @torch.no_grad()
 def heldout_loss(model: CausalLM, tokens: Union[np.ndarray, TokenSequence], batch_size: int, seq_len: int,
-                 num_batches: Optional[int] = None, spread: bool = False, progress: Optional[str] = None) -> dict:
+                 num_batches: Optional[int] = None, spread: bool = False, progress: Optional[str] = None,
+                 starts: Optional[np.ndarray] = None) -> dict:
     """Mean next-token loss over fixed windows of the held-out split (all of it when num_batches is None),
     with the standard error of that mean estimated from the spread of the per-window means, and those
     per-window means (two models on the same windows compare paired: spes/eval/compare.py). `progress`: what
-    is being scored, said on stderr before it starts (with a tqdm bar of the windows on a terminal)."""
+    is being scored, said on stderr before it starts (with a tqdm bar of the windows on a terminal). `starts`:
+    the windows to score (heldout_windows), in place of num_batches and spread."""
     model.eval()
     device = next(model.parameters()).device
     per_window = []
-    batches = eval_batches(tokens, batch_size, seq_len, num_batches, spread)
+    if starts is None:
+        starts = eval_window_starts(len(as_sequence(tokens)), seq_len,
+                                    None if num_batches is None else num_batches * batch_size, spread)
+    batches = eval_batches(tokens, batch_size, seq_len, starts=starts)
     if progress is not None:
-        batches = _with_progress(batches, progress, len(as_sequence(tokens)), batch_size, seq_len, num_batches, spread)
+        batches = _with_progress(batches, progress, len(starts), batch_size, seq_len)
     for x, y in batches:
         logits = model(x.to(device)).logits.float()
         nll_BS = torch.nn.functional.cross_entropy(logits.transpose(1, 2), y.to(device), reduction="none")
@@ -37,15 +43,27 @@ def heldout_loss(model: CausalLM, tokens: Union[np.ndarray, TokenSequence], batc
             "windows": len(w), "per_window": w.tolist()}
 
 
-def _with_progress(batches, what: str, n_tokens: int, batch_size: int, seq_len: int, num_batches, spread: bool):
-    windows = len(eval_window_starts(n_tokens, seq_len, None if num_batches is None else num_batches * batch_size,
-                                     spread))
+def _with_progress(batches, what: str, windows: int, batch_size: int, seq_len: int):
     print(f"{what}: scoring {windows:,} windows of {seq_len} tokens of the held-out split", file=sys.stderr, flush=True)
     if not sys.stderr.isatty():
         return batches
     from tqdm import tqdm
 
     return tqdm(batches, total=-(-windows // batch_size), unit="batch", desc=what, leave=False)
+
+
+def heldout_windows(e: EvalConfig, data: TokenData, per_round: bool = False, whole: bool = False) -> np.ndarray:
+    """Start offsets of the held-out windows a score uses: the `evaluate` stage's (the first eval.batches
+    batches; all when None), the whole split (`whole`, the comparison's final score) or the per-round slice
+    (`per_round`: eval.round_batches batches, spread or first); never more than eval.max_windows_per_document
+    of one document."""
+    count: Optional[int] = None
+    if per_round:
+        count = e.round_batches * e.batch_size
+    elif not whole and e.batches is not None:
+        count = e.batches * e.batch_size
+    spread = per_round and e.round_windows == "spread"
+    return heldout_window_starts(data.val, data.eos_id, e.seq_len, count, spread, e.max_windows_per_document)
 
 
 @torch.no_grad()

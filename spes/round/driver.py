@@ -17,7 +17,7 @@ from spes.config.ownership import planned_changes
 from spes.config.schema import Params
 from spes.data.tokens import TokenData
 from spes.errors import QuorumError, UploadsRejected
-from spes.eval.heldout import heldout_loss
+from spes.eval.heldout import heldout_loss, heldout_windows
 from spes.round.context import RoundContext
 from spes.run.membership import membership_of, request_planned
 from spes.run.records import GlobalMeta, NodeReport, RoundRecord
@@ -57,8 +57,8 @@ class HeldOutProbe:
             self._data = TokenData.open(self.tokens_dir)
         e = self.p.eval
         model, _ = run.load_model(r)
-        return heldout_loss(model, self._data.val, e.batch_size, e.seq_len, e.round_batches,
-                            e.round_windows == "spread")
+        return heldout_loss(model, self._data.val, e.batch_size, e.seq_len,
+                            starts=heldout_windows(e, self._data, per_round=True))
 
 
 def resume_point(p: Params, run: Run, resume_round, has_local_state=None) -> int:

@@ -47,6 +47,18 @@ def test_the_merging_study_as_dvc_stages(monkeypatch):
     assert len(stages) == 37 and "compare/merge/dvc.yaml:run@spes-8n16e-k15-1-0.002-1" in stages
 
 
+def test_a_study_on_its_own_corpus_makes_its_own_data_first(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    d = study_dvcfile("configs/compare-once.yaml")["stages"]
+    assert list(d) == ["tokenize", "dense", "upcycle", "run", "report"]
+    assert d["tokenize"]["cmd"] == "python -m stages.tokenize --params configs/compare-once.yaml"
+    assert d["tokenize"]["outs"][0] == "artifacts/once/tokens" and d["upcycle"]["outs"] == ["artifacts/once/init"]
+    assert "artifacts/once/dense/hf" in d["upcycle"]["deps"]
+    assert {"artifacts/once/tokens", "artifacts/once/init"} <= set(d["run"]["deps"])
+    main = study_dvcfile("configs/compare-merge.yaml")["stages"]  # the main pipeline's data: no stages of its own
+    assert "tokenize" not in main and "artifacts/tokens" in main["run"]["deps"]
+
+
 def test_study_name_refuses_a_file_that_is_not_a_study():
     assert study_name("configs/compare-sync.yaml") == "sync"
     for bad in ("params.yaml", "configs/spes-1b.yaml", "configs/compare-.yaml"):

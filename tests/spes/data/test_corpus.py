@@ -93,3 +93,25 @@ def test_s3_corpus(monkeypatch):
         assert docs == ["from s3", "again", "a text file"] and stats.files == 2
     finally:
         server.stop()
+
+
+def test_python_sources_as_a_corpus():
+    import platform
+    import sysconfig
+
+    from spes.data.corpus import default_corpus_files, expand, python_source_files
+
+    versions: dict = {}
+    stdlib, tests = python_source_files("stdlib", versions), python_source_files("stdlib-tests", versions)
+    root = sysconfig.get_paths()["stdlib"]
+    assert stdlib and tests and not set(stdlib) & set(tests) and all(f.startswith(root) for f in stdlib + tests)
+    assert any(f.endswith("/json/decoder.py") for f in stdlib) and all("/test" in f[len(root):] for f in tests)
+    assert default_corpus_files(400) == stdlib[:400]  # the default corpus, as before the python: specs
+    assert versions == {"stdlib": platform.python_version(), "stdlib-tests": platform.python_version()}
+    got = expand("python:json," + stdlib[0], None, versions)
+    assert got[-1] == stdlib[0] and any(f.endswith("/json/decoder.py") for f in got) and versions["json"] == versions["stdlib"]
+    import torch
+
+    assert expand("python:torch", None, versions) and versions["torch"] == torch.__version__
+    with pytest.raises(CorpusError, match="corpus python:no_such_package: no installed package 'no_such_package'"):
+        expand("python:no_such_package")

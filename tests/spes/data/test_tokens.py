@@ -112,3 +112,18 @@ def test_spread_held_out_windows_cover_the_split_evenly():
     assert eval_window_starts(101, 10, 20, spread=True).tolist() == list(range(0, 100, 10))  # all there are
     x = [x for x, _ in eval_batches(np.arange(101), 2, 10, num_batches=2, spread=True)]
     assert torch.equal(torch.cat(x)[:, 0], torch.tensor([0, 20, 50, 70]))
+
+
+def test_held_out_windows_capped_per_document():
+    from spes.data.tokens import heldout_window_starts
+
+    # documents of 100, 20 and 50 tokens (EOS = 0 ends each): 16 windows of 10, of documents 0 (10 windows),
+    # 1 (2 windows) and 2 (4 windows) by their first token
+    tokens = np.ones(170, dtype=np.int64)
+    tokens[[99, 119, 169]] = 0
+    assert heldout_window_starts(tokens, 0, 10).tolist() == list(range(0, 160, 10))  # no cap: every window
+    capped = [0, 30, 60, 100, 110, 120, 130, 140]  # at most 3 a document, a longer one's spread over it
+    assert heldout_window_starts(tokens, 0, 10, max_per_document=3).tolist() == capped
+    assert heldout_window_starts(tokens, 0, 10, 4, spread=True, max_per_document=3).tolist() == [0, 60, 110, 130]
+    assert heldout_window_starts(tokens, 0, 10, 2, max_per_document=3).tolist() == [0, 30]
+    assert heldout_window_starts(tokens, 0, 10, max_per_document=100).tolist() == list(range(0, 160, 10))

@@ -34,6 +34,26 @@ def test_long_scoring_says_what_it_does_and_gives_the_same_numbers(capsys):
     assert "evaluate: the final model: scoring 62 windows of 16 tokens of the held-out split" in capsys.readouterr().err
 
 
+def test_scored_windows_follow_the_eval_settings(tiny_tokens):
+    from spes.config.schema import EvalConfig
+    from spes.data.tokens import TokenData, window_documents
+    from spes.errors import ConfigError
+    from spes.eval.heldout import heldout_windows
+
+    data = TokenData.open(tiny_tokens)
+    e = EvalConfig(seq_len=16, batch_size=4, batches=3, round_batches=2)
+    every = heldout_windows(e, data, whole=True)
+    assert len(every) == (len(data.val) - 1) // 16 and len(heldout_windows(e, data)) == 12
+    assert heldout_windows(e, data, per_round=True).tolist() == [every[i * len(every) // 8] for i in range(8)]
+    docs = window_documents(data.val, data.eos_id, 16, len(every), every)
+    cap = min(np.bincount(docs)[np.bincount(docs) > 0]) + 1  # at least one document has more windows than this
+    capped = heldout_windows(EvalConfig(seq_len=16, max_windows_per_document=cap), data, whole=True)
+    kept = window_documents(data.val, data.eos_id, 16, len(capped), capped)
+    assert max(np.bincount(kept)) == cap < max(np.bincount(docs)) and set(kept) == set(docs)
+    with pytest.raises(ConfigError, match="eval.max_windows_per_document must be >= 1 or null, got 0"):
+        EvalConfig(max_windows_per_document=0).validate()
+
+
 ARC_TASK = """task: arc_easy_local
 dataset_path: arrow
 dataset_kwargs:
