@@ -90,6 +90,7 @@ class Params:
         self._check_quorum()
         self._check_overlap()
         self.checkpoint.validate()
+        self.compare.validate()
         return self
 
     def _check_numbers(self) -> None:

@@ -166,3 +166,10 @@ class CompareConfig:
     """A memory budget per node for the report (weights + gradients + Adam, by the planner): a variant's name
     (what one of its nodes needs) or a size such as 40MiB. The report marks each variant within it or over it:
     the paper's question, which method gives the best model with the memory each machine has."""
+    target_loss: Optional[float] = None
+    """The per-round held-out loss whose tokens-to-reach the report gives (a second measure beside the final
+    loss); None = the highest of the runs' last per-round losses at each budget, which every run reaches."""
+
+    def validate(self) -> None:
+        need(self.target_loss is None or self.target_loss > 0,
+             f"compare.target_loss must be > 0 or null, got {self.target_loss}")

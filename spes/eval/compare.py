@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from spes.config.loader import params_from_dict, to_dict
 from spes.config.schema import Params, check_name
 from spes.errors import ConfigError
+from spes.eval.measures import heldout_set, reach_table
 from spes.eval.stats import (
     mean_std,
     paired_difference,
@@ -158,6 +159,7 @@ def summarize(p: Params, results: list[dict]) -> dict:
                 "ratio_to_centralized": mean / base_loss if base_loss else float("nan"),
                 "diff_to_baseline": diff, "diff_to_baseline_se": diff_se,
                 "tokens": runs[0]["tokens"], "trainable_params_per_node": runs[0]["trainable_params_per_node"],
+                "epochs": runs[0]["tokens"] / runs[0]["train_tokens"] if runs[0].get("train_tokens") else None,
                 "memory_bytes_per_node": runs[0]["memory_bytes_per_node"],
                 "peak_bytes_per_node": runs[0].get("peak_bytes_per_node"),
                 "state_bytes_per_node": runs[0].get("state_bytes_per_node"),
@@ -166,7 +168,8 @@ def summarize(p: Params, results: list[dict]) -> dict:
                 "wall_s": statistics.fmean(r["wall_s"] for r in runs)})
     return {"rows": rows, "sweep": {f"{v}|{b}|{lr}": ms for (v, b, lr), ms in sorted(sweep.items())},
             "pairs": paired_comparisons(p, by), "round_pairs": round_pairs(p, by),
-            "frontier": frontier(p, rows, by), "slice": slice_agreement(results)}
+            "frontier": frontier(p, rows, by), "slice": slice_agreement(results), "reach": reach_table(p, rows, by),
+            "heldout": heldout_set(p, results)}
 
 
 def paired_comparisons(p: Params, runs: dict) -> list[dict]:

@@ -28,13 +28,15 @@ def report_markdown(p: Params, summary: dict) -> str:
            f"{c.baseline} is paired by seed and window; its SE is that of the seed-averaged per-window difference, "
            f"clustered by document); baseline: "
            f"{c.baseline}.\n"]
+    out += _heldout_line(summary.get("heldout"))
     mem_budget = summary.get("node_memory")
     if mem_budget:
         out.append(f"\nMemory per node: at most {_fmt_bytes(mem_budget)} MiB of weights + gradients + Adam "
                    f"(compare.node_memory: {c.node_memory}); planned by spes/train/plan.py, measured = what a node's "
                    "tensors held after its last step.\n")
     out += _budget_tables(p, summary, mem_budget)
-    out += _pairs_section(summary) + _round_pairs_section(summary) + _frontier_section(p, summary)
+    out += _pairs_section(summary) + _round_pairs_section(summary) + _reach_section(p, summary)
+    out += _frontier_section(p, summary)
     out += _slice_section(summary) + _sweep_section(summary)
     return "\n".join(out) + "\n"
 
@@ -44,9 +46,9 @@ def _budget_tables(p: Params, summary: dict, mem_budget: Optional[float]) -> lis
     for budget in c.budgets:
         out += [f"\n## Budget {budget}x\n",
                 f"| variant | experts | seeds | lr | held-out loss | SE | ratio to {c.baseline} | minus {c.baseline} "
-                "(paired SE) | tokens | trainable params / node | weights+grads+Adam MiB / node (planned, measured)"
+                "(paired SE) | tokens | epochs | trainable params / node | weights+grads+Adam MiB / node (planned, measured)"
                 + (" | within the memory budget" if mem_budget else "") + " | MiB on the wire / node / round | wall s |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if mem_budget else "")]
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if mem_budget else "")]
         for r in (r for r in summary["rows"] if r["budget"] == budget):
             within = "" if not mem_budget else \
                 f" {'yes' if r['memory_bytes_per_node'] <= mem_budget else 'no'} |"
@@ -54,9 +56,42 @@ def _budget_tables(p: Params, summary: dict, mem_budget: Optional[float]) -> lis
                        f"{r['heldout_loss_mean']:.4f} +- "
                        f"{r['heldout_loss_std']:.4f} | {r['heldout_loss_se']:.4f} | {r['ratio_to_centralized']:.4f} | "
                        f"{_paired(r['diff_to_baseline'], r['diff_to_baseline_se'])} | "
-                       f"{r['tokens']} | {r['trainable_params_per_node']} | {_fmt_bytes(r['memory_bytes_per_node'])}, "
+                       f"{r['tokens']} | {_epochs(r.get('epochs'))} | {r['trainable_params_per_node']} | {_fmt_bytes(r['memory_bytes_per_node'])}, "
                        f"{_fmt_bytes(r.get('state_bytes_per_node'))} |{within} "
                        f"{_fmt_bytes(r['bytes_per_node_per_round'])} | {r['wall_s']:.0f} |")
+    return out
+
+
+def _epochs(e: Optional[float]) -> str:
+    return "-" if e is None else f"{e:.2f}"
+
+
+def _heldout_line(h: Optional[dict]) -> list[str]:
+    if not h:
+        return []
+    cap = f"at most {h['cap']} windows of a document (eval.max_windows_per_document)" if h["cap"] else \
+        "every window of every document (no cap per document)"
+    return [f"\nHeld-out set: {h['windows']} windows of {h['documents']} documents, {cap}; the largest document "
+            f"holds {100 * h['largest_share']:.1f}% of the windows. Epochs: training tokens over the training "
+            "split's (above 1, data repeats).\n"]
+
+
+def _reach_section(p: Params, summary: dict) -> list[str]:
+    rows = summary.get("reach")
+    if not rows:
+        return []
+    out = ["\n## Tokens to reach a held-out loss (the per-round curve)\n",
+           "Training tokens at which a run's per-round held-out loss (eval.round_batches batches) first reaches "
+           "the target, interpolated between the two rounds around it: compare.target_loss, or the highest of "
+           "the runs' last per-round losses at that budget (every run reaches it). Mean over seeds; '-' where a "
+           f"seed never reaches it. As a multiple of {p.compare.baseline}'s.\n",
+           f"| variant | budget | target loss | tokens per seed | mean | x {p.compare.baseline} |",
+           "|---|---|---|---|---|---|"]
+    for x in rows:
+        seeds = ", ".join("-" if t is None else f"{t:.0f}" for t in x["per_seed"])
+        mean = "-" if x["mean"] is None else f"{x['mean']:.0f}"
+        ratio = "-" if x.get("to_baseline") is None else f"{x['to_baseline']:.2f}"
+        out.append(f"| {x['variant']} | {x['budget']}x | {x['target']:.4f} | {seeds} | {mean} | {ratio} |")
     return out
 
 

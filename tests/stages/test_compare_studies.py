@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from spes.errors import ModelError, UsageError
-from stages.compare import study_dvcfile, study_name
+from stages.study_dvc import study_dvcfile, study_name
 from tests.conftest import ROOT
 
 PRESETS = sorted(os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "configs", "compare-*.yaml")))
