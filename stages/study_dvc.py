@@ -1,9 +1,11 @@
 """A study preset's DVC file (compare/<study>/dvc.yaml): its cells and report as stages, and, where the
-preset has its own artifacts_dir (its own corpus), the tokens, dense model and initial model it trains from.
+preset has its own artifacts_dir (its own corpus), the tokens, dense model and initial model it trains from
+(or, where it includes another study's preset with the same artifacts_dir, depends on that study's).
 `python -m stages.compare dvcfile --params configs/compare-<study>.yaml` writes it."""
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 from spes.errors import UsageError
 
@@ -21,7 +23,8 @@ def study_name(params_path: str) -> str:
 def study_dvcfile(params_path: str) -> dict:
     """The DVC stages of one study preset: the matrix of its cells, written out (a preset inherits some of
     compare.* from params.yaml, which DVC's `vars` cannot follow), each cell a run stage, then the report;
-    the layout of compare/dvc.yaml, with the preset's file as a params dependency beside params.yaml's."""
+    the layout of compare/dvc.yaml, with the preset's file (and the study presets it includes) as params
+    dependencies beside params.yaml's."""
     from spes.config.loader import load_params
     from spes.eval.compare import check_matrix, has_frontier
 
@@ -30,14 +33,19 @@ def study_dvcfile(params_path: str) -> dict:
     preset = params_path.replace(os.sep, "/")
     out = f"artifacts/{STUDY_PREFIX}{study_name(params_path)}"
     c = p.compare
-    run_params = [{preset: []}, {"params.yaml": ["model", "sync", "train", "outer", "merge", "data", "eval"]}]
+    files = _preset_files(params_path)
+
+    def presets() -> list[dict]:  # new dicts at each use: no YAML anchors in the written file
+        return [{f: []} for f in files]
+
+    run_params = [*presets(), {"params.yaml": ["model", "sync", "train", "outer", "merge", "data", "eval"]}]
     report_outs = ["report.md", "report.csv", "pairs.csv", "heldout_curves.csv", "heldout_curves.svg"]
     if has_frontier(resolved):
         report_outs.append("frontier.svg")
     data = p.artifacts_dir.rstrip("/")
     return {
         "stages": {
-            **(_data_stages(preset, data) if data != MAIN_ARTIFACTS else {}),
+            **(_data_stages(preset, presets, data) if _makes_data(params_path, data) else {}),
             "run": {
                 "matrix": {"variant": list(c.variants), "seed": list(c.seeds), "lr": list(c.lrs),
                            "budget": list(c.budgets)},
@@ -52,7 +60,7 @@ def study_dvcfile(params_path: str) -> dict:
                 "wdir": "../..",
                 "cmd": f"python -m stages.compare report --params {preset} --dir {out}",
                 "deps": ["stages/compare.py", "spes/eval/compare.py", f"{out}/runs"],
-                "params": [{preset: []}],
+                "params": presets(),
                 "outs": [{f"{out}/{name}": {"cache": False}} for name in report_outs]}},
         "plots": [{"heldout loss vs tokens": {"template": "compare_lines", "x": "tokens",
                                               "y": {f"../../{out}/heldout_curves.csv": "heldout_loss"}}}]}
@@ -63,12 +71,45 @@ MAIN_ARTIFACTS = "artifacts"
 and initial model there (its own corpus), by the main pipeline's stages run on the preset."""
 
 
-def _data_stages(preset: str, data: str) -> dict:
+def _preset_files(params_path: str) -> list[str]:
+    """The preset and the study presets it includes, in turn (DVC paths): a change to any is a change to the
+    study (params.yaml, at the bottom of every chain, is listed by the sections the stages read)."""
+    import yaml
+
+    files, path = [], params_path
+    while True:
+        files.append(os.path.normpath(path).replace(os.sep, "/"))
+        with open(path) as f:
+            include = (yaml.safe_load(f) or {}).get("include")
+        if not isinstance(include, str) or not os.path.basename(include).startswith(STUDY_PREFIX):
+            return files
+        path = os.path.join(os.path.dirname(path), include)
+
+
+def _makes_data(params_path: str, data: str) -> bool:
+    """Whether this preset's DVC file makes the tokens, dense and initial model under `data`: not when they
+    are the main pipeline's, nor when the study preset it includes names the same folder (that study's DVC
+    file makes them, and DVC lets one stage make an output: this study's cells depend on them)."""
+    import yaml
+
+    from spes.config.loader import load_params
+
+    if data == MAIN_ARTIFACTS:
+        return False
+    with open(params_path) as f:
+        include = (yaml.safe_load(f) or {}).get("include")
+    if not isinstance(include, str) or not os.path.basename(include).startswith(STUDY_PREFIX):
+        return True
+    included = os.path.join(os.path.dirname(params_path), include)
+    return load_params(included).artifacts_dir.rstrip("/") != data
+
+
+def _data_stages(preset: str, presets: Callable[[], list[dict]], data: str) -> dict:
     def stage(name: str, deps: list[str], out: str, numbers: str = "") -> dict:
         figures = {"outs": [{f"{data}/{numbers}/timings.json": {"cache": False}}],  # as dvc.yaml's stages
                    "metrics": [{f"{data}/{numbers}/metrics.json": {"cache": False}}]} if numbers else {"outs": []}
         return {"wdir": "../..", "cmd": f"python -m stages.{name} --params {preset}", "deps": [f"stages/{name}.py", *deps],
-                "params": [{preset: []}, {"params.yaml": ["tokenize", "model", "dense", "init", "data", "eval"]}],
+                "params": [*presets(), {"params.yaml": ["tokenize", "model", "dense", "init", "data", "eval"]}],
                 **figures, "outs": [f"{data}/{out}", *figures["outs"]]}
 
     return {"tokenize": stage("tokenize", ["spes/data"], "tokens", "tokenize"),

@@ -59,6 +59,23 @@ def test_a_study_on_its_own_corpus_makes_its_own_data_first(monkeypatch):
     assert "tokenize" not in main and "artifacts/tokens" in main["run"]["deps"]
 
 
+def test_studies_sharing_a_corpus_make_its_data_once(tmp_path, monkeypatch):
+    """DVC lets one stage make an output: a preset including another study's preset with the same artifacts_dir
+    leaves the tokens, dense and initial model to that study's DVC file, and its cells depend on them."""
+    monkeypatch.chdir(tmp_path)
+    os.mkdir("configs")
+    corpus = "tokenize: {corpus: 'python:stdlib'}\nartifacts_dir: artifacts/own\n"
+    open("configs/compare-b.yaml", "w").write(f"include: {ROOT}/params.yaml\n{corpus}")
+    open("configs/compare-a.yaml", "w").write("include: compare-b.yaml\ncompare: {variants: {b: []}, baseline: b}\n")
+    open("configs/compare-c.yaml", "w").write("include: compare-b.yaml\nartifacts_dir: artifacts/other\n")
+    first, second, third = (study_dvcfile(f"configs/compare-{s}.yaml")["stages"] for s in "bac")
+    assert list(first) == ["tokenize", "dense", "upcycle", "run", "report"]
+    assert list(second) == ["run", "report"] and {"artifacts/own/tokens", "artifacts/own/init"} <= set(second["run"]["deps"])
+    assert "--params configs/compare-a.yaml" in second["run"]["cmd"]
+    assert second["run"]["params"][:2] == [{"configs/compare-a.yaml": []}, {"configs/compare-b.yaml": []}]  # both its files
+    assert third["tokenize"]["outs"][0] == "artifacts/other/tokens"  # another folder: its own data
+
+
 def test_study_name_refuses_a_file_that_is_not_a_study():
     assert study_name("configs/compare-sync.yaml") == "sync"
     for bad in ("params.yaml", "configs/spes-1b.yaml", "configs/compare-.yaml"):
