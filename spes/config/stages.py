@@ -159,7 +159,8 @@ class CompareConfig:
     baseline: str = "centralized"
     """The variant the others are divided by (ratio_to_centralized)."""
     pairs: dict[str, str] = field(default_factory=dict)
-    """Variant -> the variant it is set against (params.yaml: spes -> spes-no-merge): the report gives each
+    """Variant -> the variant it is set against (params.yaml: spes -> spes-no-merge), or several, comma-separated
+    ("scratch-experts-8, scratch-experts-4"; `pair_list`): the report gives each
     pair's difference, paired by seed, lr and held-out window, its document-clustered and seed standard errors,
     and whether it is beyond both. A file that writes compare.variants replaces these too (they name variants)."""
     node_memory: Optional[str] = None
@@ -169,6 +170,10 @@ class CompareConfig:
     target_loss: Optional[float] = None
     """The per-round held-out loss whose tokens-to-reach the report gives (a second measure beside the final
     loss); None = the highest of the runs' last per-round losses at each budget, which every run reaches."""
+
+    def pair_list(self) -> list[tuple[str, str]]:
+        """compare.pairs as (variant, reference) pairs, in order: one per reference a value names."""
+        return [(variant, ref.strip()) for variant, refs in self.pairs.items() for ref in refs.split(",")]
 
     def validate(self) -> None:
         need(self.target_loss is None or self.target_loss > 0,

@@ -105,7 +105,7 @@ def check_matrix(p: Params) -> dict[str, Params]:
         check_name(name, f"compare.variants.{name}")
     if c.baseline not in c.variants:
         raise ConfigError(f"compare.baseline {c.baseline!r} is not one of compare.variants {sorted(c.variants)}")
-    for variant, reference in c.pairs.items():
+    for variant, reference in c.pair_list():
         if variant not in c.variants or reference not in c.variants or variant == reference:
             raise ConfigError(f"compare.pairs.{variant}: {variant!r} -> {reference!r} must name two different "
                               f"variants of compare.variants {sorted(c.variants)}")
@@ -178,7 +178,7 @@ def paired_comparisons(p: Params, runs: dict) -> list[dict]:
     each seed's difference, their SE over seeds and the verdict; and the same with every held-out document
     weighing the same (`doc_*`: its mean, SE over documents and verdict)."""
     out = []
-    for variant, reference in p.compare.pairs.items():
+    for variant, reference in p.compare.pair_list():
         for budget in p.compare.budgets:
             for lr in p.compare.lrs:
                 ran = sorted(runs.get((variant, budget, lr), []), key=lambda r: r["seed"])
@@ -207,7 +207,7 @@ def round_pairs(p: Params, runs: dict) -> list[dict]:
     round records kept each window's loss: variant minus reference paired by seed and window, the SE of the
     seed-averaged difference clustered by document, and the same with every document weighing the same."""
     out = []
-    for (variant, reference), budget, lr in ((pair, b, lr) for pair in p.compare.pairs.items()
+    for (variant, reference), budget, lr in ((pair, b, lr) for pair in p.compare.pair_list()
                                              for b in p.compare.budgets for lr in p.compare.lrs):
         ran, ref = runs.get((variant, budget, lr), []), runs.get((reference, budget, lr), [])
         for rnd in sorted({pt["round"] for r in ran for pt in r.get("curve", []) if pt.get("windows")}):

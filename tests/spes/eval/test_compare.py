@@ -204,6 +204,25 @@ def test_paired_comparisons_and_their_verdict():
         check_matrix(p)
 
 
+def test_a_variant_set_against_several_references():
+    """A pairs value may name several references, comma-separated: one row per reference, in that order,
+    each paired on its own reference's windows; a misspelt one is named."""
+    p = load_params(PARAMS_YAML)
+    p.compare.variants = {"e16": [], "e8": [], "e4": []}
+    p.compare.baseline = "e16"
+    p.compare.pairs = {"e16": "e8, e4", "e8": "e4"}
+    check_matrix(p)
+    assert p.compare.pair_list() == [("e16", "e8"), ("e16", "e4"), ("e8", "e4")]
+    results = [_windows("e4", s, [3.0, 3.0, 3.0, 3.0]) for s in (0, 1)] + \
+              [_windows("e8", s, [2.9, 2.9, 2.9, 2.9]) for s in (0, 1)] + \
+              [_windows("e16", s, [2.7, 2.7, 2.7, 2.7]) for s in (0, 1)]
+    rows = [(x["variant"], x["reference"], round(x["diff"], 12)) for x in summarize(p, results)["pairs"]]
+    assert rows == [("e16", "e8", -0.2), ("e16", "e4", -0.3), ("e8", "e4", -0.1)]
+    p.compare.pairs = {"e16": "e8,e2"}
+    with pytest.raises(ConfigError, match=r"compare.pairs.e16: 'e16' -> 'e2' must name two different variants"):
+        check_matrix(p)
+
+
 def test_a_preset_with_its_own_variants_drops_the_included_pairs(tmp_path):
     (tmp_path / "base.yaml").write_text(open(PARAMS_YAML).read())
     (tmp_path / "study.yaml").write_text("include: base.yaml\ncompare:\n  variants:\n    spes: []\n"
