@@ -5,7 +5,6 @@ preset has its own artifacts_dir (its own corpus), the tokens, dense model and i
 from __future__ import annotations
 
 import os
-from typing import Callable
 
 from spes.errors import UsageError
 
@@ -34,18 +33,15 @@ def study_dvcfile(params_path: str) -> dict:
     out = f"artifacts/{STUDY_PREFIX}{study_name(params_path)}"
     c = p.compare
     files = _preset_files(params_path)
-
-    def presets() -> list[dict]:  # new dicts at each use: no YAML anchors in the written file
-        return [{f: []} for f in files]
-
-    run_params = [*presets(), {"params.yaml": ["model", "sync", "train", "outer", "merge", "data", "eval"]}]
+    presets: list[dict] = [{f: []} for f in files]
+    run_params = [*presets, {"params.yaml": ["model", "sync", "train", "outer", "merge", "data", "eval"]}]
     report_outs = ["report.md", "report.csv", "pairs.csv", "heldout_curves.csv", "heldout_curves.svg"]
     if has_frontier(resolved):
         report_outs.append("frontier.svg")
     data = p.artifacts_dir.rstrip("/")
     return {
         "stages": {
-            **(_data_stages(preset, presets, data) if _makes_data(params_path, data) else {}),
+            **(_data_stages(preset, presets, data) if _makes_data(files, data) else {}),
             "run": {
                 "matrix": {"variant": list(c.variants), "seed": list(c.seeds), "lr": list(c.lrs),
                            "budget": list(c.budgets)},
@@ -60,7 +56,7 @@ def study_dvcfile(params_path: str) -> dict:
                 "wdir": "../..",
                 "cmd": f"python -m stages.compare report --params {preset} --dir {out}",
                 "deps": ["stages/compare.py", "spes/eval/compare.py", f"{out}/runs"],
-                "params": presets(),
+                "params": list(presets),
                 "outs": [{f"{out}/{name}": {"cache": False}} for name in report_outs]}},
         "plots": [{"heldout loss vs tokens": {"template": "compare_lines", "x": "tokens",
                                               "y": {f"../../{out}/heldout_curves.csv": "heldout_loss"}}}]}
@@ -86,30 +82,24 @@ def _preset_files(params_path: str) -> list[str]:
         path = os.path.join(os.path.dirname(path), include)
 
 
-def _makes_data(params_path: str, data: str) -> bool:
-    """Whether this preset's DVC file makes the tokens, dense and initial model under `data`: not when they
-    are the main pipeline's, nor when the study preset it includes names the same folder (that study's DVC
-    file makes them, and DVC lets one stage make an output: this study's cells depend on them)."""
-    import yaml
-
+def _makes_data(files: list[str], data: str) -> bool:
+    """Whether this preset's DVC file makes the tokens, dense and initial model under `data` (`files`: the
+    preset and the study presets it includes, `_preset_files`): not when they are the main pipeline's, nor
+    when the study preset it includes names the same folder (that study's DVC file makes them, and DVC lets
+    one stage make an output: this study's cells depend on them)."""
     from spes.config.loader import load_params
 
     if data == MAIN_ARTIFACTS:
         return False
-    with open(params_path) as f:
-        include = (yaml.safe_load(f) or {}).get("include")
-    if not isinstance(include, str) or not os.path.basename(include).startswith(STUDY_PREFIX):
-        return True
-    included = os.path.join(os.path.dirname(params_path), include)
-    return load_params(included).artifacts_dir.rstrip("/") != data
+    return len(files) == 1 or load_params(files[1]).artifacts_dir.rstrip("/") != data
 
 
-def _data_stages(preset: str, presets: Callable[[], list[dict]], data: str) -> dict:
+def _data_stages(preset: str, presets: list[dict], data: str) -> dict:
     def stage(name: str, deps: list[str], out: str, numbers: str = "") -> dict:
         figures = {"outs": [{f"{data}/{numbers}/timings.json": {"cache": False}}],  # as dvc.yaml's stages
                    "metrics": [{f"{data}/{numbers}/metrics.json": {"cache": False}}]} if numbers else {"outs": []}
         return {"wdir": "../..", "cmd": f"python -m stages.{name} --params {preset}", "deps": [f"stages/{name}.py", *deps],
-                "params": [*presets(), {"params.yaml": ["tokenize", "model", "dense", "init", "data", "eval"]}],
+                "params": [*presets, {"params.yaml": ["tokenize", "model", "dense", "init", "data", "eval"]}],
                 **figures, "outs": [f"{data}/{out}", *figures["outs"]]}
 
     return {"tokenize": stage("tokenize", ["spes/data"], "tokens", "tokenize"),
@@ -120,7 +110,11 @@ def _data_stages(preset: str, presets: Callable[[], list[dict]], data: str) -> d
 def write_dvcfile(a) -> None:
     import yaml
 
-    body = yaml.safe_dump(study_dvcfile(a.params), sort_keys=False, width=1000)
+    class NoAnchors(yaml.SafeDumper):  # stages share their params entries: write each out, not as &id/*id
+        def ignore_aliases(self, data) -> bool:
+            return True
+
+    body = yaml.dump(study_dvcfile(a.params), Dumper=NoAnchors, sort_keys=False, width=1000)
     path = os.path.join("compare", study_name(a.params), "dvc.yaml")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
