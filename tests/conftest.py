@@ -34,7 +34,10 @@ def tiny_params(seq_len: int = 16, **changes):
 
 
 def pytest_collection_modifyitems(config, items):
-    """End-to-end tests are the ones under tests/pipelines and tests/faults; gpu tests skip without CUDA."""
+    """End-to-end tests are the ones under tests/pipelines and tests/faults; gpu tests skip without CUDA.
+    Modules with slow tests run first, then the other end-to-end ones, then the rest (each group in its
+    order), so that on two workers (`--dist loadfile --no-loadscope-reorder`) the many short modules fill
+    in at the end instead of one long module starting last."""
     import torch
 
     for item in items:
@@ -43,6 +46,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.e2e)
         if item.get_closest_marker("gpu") and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="no CUDA device"))
+    slow, e2e, first = set(), set(), {}
+    for i, item in enumerate(items):
+        first.setdefault(item.path, i)
+        if item.get_closest_marker("slow"):
+            slow.add(item.path)
+        if item.get_closest_marker("e2e"):
+            e2e.add(item.path)
+    items.sort(key=lambda it: (it.path not in slow, it.path not in e2e, first[it.path]))
 
 
 def params_of(*overrides: str):
@@ -85,20 +96,48 @@ def json_documents() -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def tiny_tokens(tmp_path_factory) -> str:
-    """One tokenized corpus for the session (BPE of 512 over the stdlib json sources; 2 of 5 held out)."""
+def tiny_tokens(tmp_path_factory, worker_id) -> str:
+    """One tokenized corpus for the test run, shared by the workers (BPE of 512 over the stdlib json
+    sources; 2 of 5 held out). Tests read it; they copy it to change it."""
+    import shutil
+
+    from filelock import FileLock
+
     from spes.data.tokenization import tokenize_corpus
 
-    d = tmp_path_factory.mktemp("tokens") / "tokens"
-    tokenize_corpus(json_documents(), str(d), 512, None, 0.2, 0)
+    shared = _shared_folder(tmp_path_factory, worker_id)
+    d = shared / "tiny-tokens" / "tokens"
+    with FileLock(str(shared / "tiny-tokens.lock")):
+        if not d.exists():
+            shutil.rmtree(d.parent / "making", ignore_errors=True)  # a run stopped while making it
+            tokenize_corpus(json_documents(), str(d.parent / "making"), 512, None, 0.2, 0)
+            os.rename(d.parent / "making", d)  # whole or absent
     return str(d)
 
 
 @pytest.fixture(scope="session")
-def tiny_reference(tmp_path_factory, tiny_tokens, prefect_server):
-    """The tiny project's 3-round run (tests/pipelines/tiny_project.py), uninterrupted, once per session:
-    what every resume and fault test must reproduce bit for bit. {'weights': final weights, 'sha': {round:
-    the global's sha256}}."""
+def tiny_reference(tmp_path_factory, worker_id, tiny_tokens, prefect_server):
+    """The tiny project's 3-round run (tests/pipelines/tiny_project.py), uninterrupted, once per test run
+    (the first worker to need it makes it, the other reads it: it costs ~40 s of both cores): what every
+    resume and fault test must reproduce bit for bit. {'weights': final weights, 'sha': {round: the
+    global's sha256}}."""
+    import json
+
+    from filelock import FileLock
+    from safetensors.torch import load_file, save_file
+
+    shared = _shared_folder(tmp_path_factory, worker_id)
+    weights, sha = shared / "tiny-reference" / "weights.safetensors", shared / "tiny-reference" / "sha.json"
+    with FileLock(str(shared / "tiny-reference.lock")):
+        if not sha.exists():
+            made = _reference_run(tmp_path_factory.mktemp("reference"), tiny_tokens)
+            weights.parent.mkdir(exist_ok=True)
+            save_file(made["weights"], str(weights))
+            sha.write_text(json.dumps(made["sha"]))  # written last: its presence means the pair is whole
+    return {"weights": load_file(str(weights)), "sha": {int(r): h for r, h in json.loads(sha.read_text()).items()}}
+
+
+def _reference_run(root, tiny_tokens) -> dict:
     from pipelines.training import spes_training
     from spes.config.loader import load_params
     from spes.run.layout import MODEL_FILE
@@ -106,7 +145,6 @@ def tiny_reference(tmp_path_factory, tiny_tokens, prefect_server):
     from spes.storage.store import Store
     from tests.pipelines.tiny_project import final_weights, init_run, make_project
 
-    root = tmp_path_factory.mktemp("reference")
     make_project(root, tiny_tokens)
     pfile = str(root / "params.yaml")
     init_run(pfile, "ref")

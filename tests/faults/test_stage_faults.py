@@ -84,6 +84,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow
 def test_sigkilled_stage_leaves_no_processes_and_a_rerun_continues_at_once(project, reference):
     proc = stage(project, "stages.rounds", "warmup", "orchestration.run_name=killed", wait=False)
     store = Store(str(project / "storage"))
@@ -107,6 +108,7 @@ def test_sigkilled_stage_leaves_no_processes_and_a_rerun_continues_at_once(proje
     assert global_sha(project, "killed", 2) == reference
 
 
+@pytest.mark.slow
 def test_a_corrupt_committed_upload_is_rerun_and_the_result_unchanged(project, reference):
     plan = json.dumps({"corrupt": {"run": "corrupt", "round": 2, "node": 0}})
     res = stage(project, "stages.rounds", "warmup", "orchestration.run_name=corrupt", env_extra={"SPES_FAULT_PLAN": plan})
@@ -172,6 +174,7 @@ def test_a_deterministic_node_error_is_not_retried_and_names_its_cause(project):
     assert "Retry 1/" not in out and out.count("failed round 1") == 2  # each node once, no retries
 
 
+@pytest.mark.slow
 def test_sigterm_stops_the_stage_within_seconds_releasing_the_lease(project, reference):
     """SIGTERM while a node is in the middle of a round: the stage ends within seconds (not at the round
     timeout), its node processes and Prefect server with it, the run's lease is marked released, and the

@@ -58,6 +58,7 @@ def test_two_ranks_equal_one_rank_with_the_whole_batch(two_ranks, tmp_path, tiny
     assert metas2[0].upload.expert_load == meta1.upload.expert_load
 
 
+@pytest.mark.slow
 def test_a_resumed_two_rank_node_equals_an_uninterrupted_one(two_ranks, tmp_path, tiny_tokens):
     p, run, _ = two_ranks
     q = params(tmp_path, "resumed", ranks=2, parallel=p.train.node_parallel)

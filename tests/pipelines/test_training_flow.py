@@ -60,6 +60,7 @@ def _check_round_progress(run: str, r: int) -> None:
     assert len(rows) == 2 and all(re.match(r"\| \d \| (\d+)/\1 \| \d+\.\d{4} \| [\d,]+ \|$", x) for x in rows), rows
 
 
+@pytest.mark.slow
 def test_resume_from_a_checkpoint_round_equals_uninterrupted(project, reference, caplog):
     """The warmup stage's last round is a checkpoint round: node states on shared storage. With the nodes'
     own folders gone (a new machine), the run resumes from it, bit for bit; resumed once more when finished,
@@ -80,6 +81,7 @@ def test_resume_from_a_checkpoint_round_equals_uninterrupted(project, reference,
     assert "nothing to do: rounds 1-" in caplog.text and "starting at round" not in caplog.text
 
 
+@pytest.mark.slow
 def test_resume_from_a_local_state_round_equals_uninterrupted(project, reference):
     """Round 1 is no checkpoint round: the node states it needs are on the nodes; later rounds are set aside
     and recomputed identically."""
