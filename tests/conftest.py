@@ -40,19 +40,17 @@ def pytest_collection_modifyitems(config, items):
     in at the end instead of one long module starting last."""
     import torch
 
-    for item in items:
+    slow, e2e, first = set(), set(), {}
+    for i, item in enumerate(items):
         parts = item.path.parts
         if "pipelines" in parts or "faults" in parts:
             item.add_marker(pytest.mark.e2e)
+            e2e.add(item.path)
         if item.get_closest_marker("gpu") and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="no CUDA device"))
-    slow, e2e, first = set(), set(), {}
-    for i, item in enumerate(items):
-        first.setdefault(item.path, i)
         if item.get_closest_marker("slow"):
             slow.add(item.path)
-        if item.get_closest_marker("e2e"):
-            e2e.add(item.path)
+        first.setdefault(item.path, i)
     items.sort(key=lambda it: (it.path not in slow, it.path not in e2e, first[it.path]))
 
 
@@ -99,20 +97,12 @@ def json_documents() -> list[str]:
 def tiny_tokens(tmp_path_factory, worker_id) -> str:
     """One tokenized corpus for the test run, shared by the workers (BPE of 512 over the stdlib json
     sources; 2 of 5 held out). Tests read it; they copy it to change it."""
-    import shutil
-
-    from filelock import FileLock
-
     from spes.data.tokenization import tokenize_corpus
 
-    shared = _shared_folder(tmp_path_factory, worker_id)
-    d = shared / "tiny-tokens" / "tokens"
-    with FileLock(str(shared / "tiny-tokens.lock")):
-        if not d.exists():
-            shutil.rmtree(d.parent / "making", ignore_errors=True)  # a run stopped while making it
-            tokenize_corpus(json_documents(), str(d.parent / "making"), 512, None, 0.2, 0)
-            os.rename(d.parent / "making", d)  # whole or absent
-    return str(d)
+    def make(folder):
+        tokenize_corpus(json_documents(), str(folder / "tokens"), 512, None, 0.2, 0)
+
+    return str(_made_once(tmp_path_factory, worker_id, "tiny-tokens", make) / "tokens")
 
 
 @pytest.fixture(scope="session")
@@ -123,18 +113,16 @@ def tiny_reference(tmp_path_factory, worker_id, tiny_tokens, prefect_server):
     global's sha256}}."""
     import json
 
-    from filelock import FileLock
     from safetensors.torch import load_file, save_file
 
-    shared = _shared_folder(tmp_path_factory, worker_id)
-    weights, sha = shared / "tiny-reference" / "weights.safetensors", shared / "tiny-reference" / "sha.json"
-    with FileLock(str(shared / "tiny-reference.lock")):
-        if not sha.exists():
-            made = _reference_run(tmp_path_factory.mktemp("reference"), tiny_tokens)
-            weights.parent.mkdir(exist_ok=True)
-            save_file(made["weights"], str(weights))
-            sha.write_text(json.dumps(made["sha"]))  # written last: its presence means the pair is whole
-    return {"weights": load_file(str(weights)), "sha": {int(r): h for r, h in json.loads(sha.read_text()).items()}}
+    def make(folder):
+        made = _reference_run(tmp_path_factory.mktemp("reference"), tiny_tokens)
+        save_file(made["weights"], str(folder / "weights.safetensors"))
+        (folder / "sha.json").write_text(json.dumps(made["sha"]))
+
+    folder = _made_once(tmp_path_factory, worker_id, "tiny-reference", make)
+    sha = json.loads((folder / "sha.json").read_text())
+    return {"weights": load_file(str(folder / "weights.safetensors")), "sha": {int(r): h for r, h in sha.items()}}
 
 
 def _reference_run(root, tiny_tokens) -> dict:
@@ -160,6 +148,25 @@ def _shared_folder(tmp_path_factory, worker_id):
     return base if worker_id == "master" else base.parent
 
 
+def _made_once(tmp_path_factory, worker_id, name: str, make):
+    """This test run's folder `name`, shared by the xdist workers: the first to need it fills it
+    (`make(folder)`), the others wait for it and read it. Made under another name and renamed when
+    whole, so a run stopped while making it leaves nothing a later fixture takes for done."""
+    import shutil
+
+    from filelock import FileLock
+
+    shared = _shared_folder(tmp_path_factory, worker_id)
+    done, making = shared / name, shared / f"{name}.making"
+    with FileLock(str(shared / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(making, ignore_errors=True)
+            making.mkdir()
+            make(making)
+            os.rename(making, done)
+    return done
+
+
 @pytest.fixture(scope="session")
 def prefect_db(tmp_path_factory, worker_id) -> str:
     """A Prefect database already migrated, made once per test run: a server started on a new PREFECT_HOME
@@ -167,19 +174,15 @@ def prefect_db(tmp_path_factory, worker_id) -> str:
     import sqlite3
     import subprocess
 
-    from filelock import FileLock
+    def make(home):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+        env.update(PREFECT_HOME=str(home), PYTHONPATH=ROOT, PREFECT_SERVER_ANALYTICS_ENABLED="false")
+        subprocess.run([sys.executable, "-c", "from pipelines.prefect_api import prefect_api\n"
+                        "with prefect_api(): pass"], env=env, check=True, timeout=300)
+        with sqlite3.connect(home / "prefect.db") as conn:  # everything into the one file that is copied
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
-    shared = _shared_folder(tmp_path_factory, worker_id)
-    home, db = shared / "prefect-template", shared / "prefect-template" / "prefect.db"
-    with FileLock(str(shared / "prefect-template.lock")):
-        if not db.exists():
-            env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-            env.update(PREFECT_HOME=str(home), PYTHONPATH=ROOT, PREFECT_SERVER_ANALYTICS_ENABLED="false")
-            subprocess.run([sys.executable, "-c", "from pipelines.prefect_api import prefect_api\n"
-                            "with prefect_api(): pass"], env=env, check=True, timeout=300)
-            with sqlite3.connect(db) as conn:  # everything into the one file that is copied
-                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    return str(db)
+    return str(_made_once(tmp_path_factory, worker_id, "prefect-template", make) / "prefect.db")
 
 
 def prefect_home(path, prefect_db: str) -> str:
