@@ -123,10 +123,26 @@ def run_cell(a) -> None:
               "num_experts": vp.model.num_experts,
               "bytes_per_node_per_round": sum(n.bytes_up + n.bytes_down for n in rows) / max(1, len(rows)),
               "wall_s": sum(rec.wall_s for rec in records), "curve": curve, "round_windows": p.eval.round_windows,
-              "round_window_documents": round_window_documents(p, data)}
+              "round_window_documents": round_window_documents(p, data), "machine": machine_kind()}
     os.makedirs(a.out, exist_ok=True)
     write_json(os.path.join(a.out, "result.json"), result)
     print(f"compare: {cell.run_name}: held-out loss {ev['loss']:.4f} (SE {ev['se']:.4f}) after {tokens} tokens")
+
+
+def machine_kind() -> str:
+    """What decides this cell's numerics to the last digit: the CPU model, the kernels torch runs (the library
+    pins AVX2 on x86-64, spes/__init__.py) and the torch build. Reports must not mix cells of two kinds."""
+    import platform
+
+    import torch
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{model}, {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}"
 
 
 def round_window_documents(p, data) -> list[int]:

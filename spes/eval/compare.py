@@ -18,7 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from spes.config.loader import params_from_dict, to_dict
 from spes.config.schema import Params, check_name
 from spes.errors import ConfigError
-from spes.eval.measures import heldout_set, reach_table
+from spes.eval.measures import heldout_set, machine_kinds, reach_table
 from spes.eval.stats import (
     mean_std,
     paired_difference,
@@ -169,7 +169,7 @@ def summarize(p: Params, results: list[dict]) -> dict:
     return {"rows": rows, "sweep": {f"{v}|{b}|{lr}": ms for (v, b, lr), ms in sorted(sweep.items())},
             "pairs": paired_comparisons(p, by), "round_pairs": round_pairs(p, by),
             "frontier": frontier(p, rows, by), "slice": slice_agreement(results), "reach": reach_table(p, rows, by),
-            "heldout": heldout_set(p, results)}
+            "heldout": heldout_set(p, results), "machines": machine_kinds(results)}
 
 
 def paired_comparisons(p: Params, runs: dict) -> list[dict]:

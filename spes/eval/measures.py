@@ -61,3 +61,8 @@ def heldout_set(p: Params, results: list[dict]) -> Optional[dict]:
     counts = Counter(docs)
     return {"documents": len(counts), "windows": len(docs), "largest_share": max(counts.values()) / len(docs),
             "cap": p.eval.max_windows_per_document}
+
+
+def machine_kinds(results: list[dict]) -> dict[str, int]:
+    """How many cells ran on each machine kind (result.json's `machine`; older cells did not record it)."""
+    return dict(sorted(Counter(r.get("machine") or "not recorded" for r in results).items()))

@@ -28,7 +28,7 @@ def report_markdown(p: Params, summary: dict) -> str:
            f"{c.baseline} is paired by seed and window; its SE is that of the seed-averaged per-window difference, "
            f"clustered by document); baseline: "
            f"{c.baseline}.\n"]
-    out += _heldout_line(summary.get("heldout"))
+    out += _heldout_line(summary.get("heldout")) + _machines_line(summary.get("machines"))
     mem_budget = summary.get("node_memory")
     if mem_budget:
         out.append(f"\nMemory per node: at most {_fmt_bytes(mem_budget)} MiB of weights + gradients + Adam "
@@ -74,6 +74,16 @@ def _heldout_line(h: Optional[dict]) -> list[str]:
     return [f"\nHeld-out set: {h['windows']} windows of {h['documents']} documents, {cap}; the largest document "
             f"holds {100 * h['largest_share']:.1f}% of the windows. Epochs: training tokens over the training "
             "split's (above 1, data repeats).\n"]
+
+
+def _machines_line(kinds: Optional[dict]) -> list[str]:
+    if not kinds:
+        return []
+    cells = "; ".join(f"{kind}: {n} cells" for kind, n in kinds.items())
+    if len(kinds) == 1:
+        return [f"\nMachine: {cells} (CPU model, the kernels torch ran, torch build).\n"]
+    return [f"\n**Machines: the cells ran on {len(kinds)} kinds** ({cells}); numerics differ between CPU families, "
+            "so differences between cells of different kinds include that, not only the variants'.\n"]
 
 
 def _reach_section(p: Params, summary: dict) -> list[str]:

@@ -59,3 +59,27 @@ def test_held_out_set_names_its_cap():
     p.eval.max_windows_per_document = 8
     assert heldout_set(p, [_result("spes", 0, 0.002, 3.0, heldout_documents=[0, 1, 1, 2])])["cap"] == 8
     assert heldout_set(p, [_result("spes", 0, 0.002, 3.0)]) is None
+
+
+def test_the_report_names_the_machine_kinds_its_cells_ran_on():
+    p = load_params(os.path.join(ROOT, "params.yaml"))
+    p.compare.variants = {"spes": [], "centralized": ["sync.method=centralized"]}
+    p.compare.pairs = {}
+    amd = "AMD EPYC, AVX2, torch 2.13.0+cpu"
+    one = [_result("spes", 0, 0.002, 3.0, machine=amd), _result("centralized", 0, 0.002, 2.9, machine=amd)]
+    assert summarize(p, one)["machines"] == {amd: 2}
+    assert f"Machine: {amd}: 2 cells (" in report_markdown(p, summarize(p, one))
+    mixed = one + [_result("spes", 1, 0.002, 3.1), _result("centralized", 1, 0.002, 3.0, machine="Intel Xeon, AVX2")]
+    kinds = summarize(p, mixed)["machines"]
+    assert kinds == {amd: 2, "Intel Xeon, AVX2": 1, "not recorded": 1}
+    assert "**Machines: the cells ran on 3 kinds** (" in report_markdown(p, summarize(p, mixed))
+
+
+def test_a_cell_records_the_machine_kind_it_ran_on():
+    import torch
+
+    from stages.compare import machine_kind
+
+    kind = machine_kind()
+    assert kind.endswith(f", {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}")
+    assert len(kind.split(", ")) >= 3 and kind.split(", ")[0]
