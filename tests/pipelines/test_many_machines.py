@@ -38,7 +38,7 @@ def _params(root, endpoint: str, executor: str, bucket_prefix: str, **orchestrat
     p.update(artifacts_dir=str(root / "artifacts"),
              storage={"url": f"s3://spes-many/{bucket_prefix}", "options": {"endpoint_url": endpoint}, "keep_rounds": 2},
              checkpoint={"every_rounds": 100})  # node state stays on the node's machine until the end
-    # a heartbeat bound well above what a busy 2-core machine (tests on two workers) can stall a live node for
+    # a heartbeat bound well above what a busy 2-core machine (tests on three workers) can stall a live node for
     p["orchestration"] = dict(PARAMS["orchestration"], executor=executor, threads_per_node=1, heartbeat_timeout_s=20,
                               node_retries=4, round_timeout_s=240, **orchestration)
     f = root / f"params-{executor}-{bucket_prefix}.yaml"
