@@ -67,12 +67,13 @@ def test_the_report_names_the_machine_kinds_its_cells_ran_on():
     p.compare.pairs = {}
     amd = "AMD EPYC, AVX2, torch 2.13.0+cpu"
     one = [_result("spes", 0, 0.002, 3.0, machine=amd), _result("centralized", 0, 0.002, 2.9, machine=amd)]
-    assert summarize(p, one)["machines"] == {amd: 2}
-    assert f"Machine: {amd}: 2 cells (" in report_markdown(p, summarize(p, one))
+    s = summarize(p, one)
+    assert s["machines"] == {amd: 2}
+    assert f"Machine: {amd}: 2 cells (" in report_markdown(p, s)
     mixed = one + [_result("spes", 1, 0.002, 3.1), _result("centralized", 1, 0.002, 3.0, machine="Intel Xeon, AVX2")]
-    kinds = summarize(p, mixed)["machines"]
-    assert kinds == {amd: 2, "Intel Xeon, AVX2": 1, "not recorded": 1}
-    assert "**Machines: the cells ran on 3 kinds** (" in report_markdown(p, summarize(p, mixed))
+    s = summarize(p, mixed)
+    assert s["machines"] == {amd: 2, "Intel Xeon, AVX2": 1, "not recorded": 1}
+    assert "**Machines: the cells ran on 3 kinds** (" in report_markdown(p, s)
 
 
 def test_a_cell_records_the_machine_kind_it_ran_on():
