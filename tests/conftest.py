@@ -10,8 +10,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 SHARED = os.path.join(os.path.dirname(ROOT), "shared")
 # The workers and the processes they start share two cores: an OpenMP thread that spins while it waits
-# for work takes a core from the others (measured: the trainer and round tests took twice the CPU). Set
-# before torch loads its OpenMP runtime; the stage and node processes inherit it. No result depends on it.
+# for work takes a core from the others (measured beside a running study: the trainer and round tests took
+# twice the CPU; on an otherwise idle machine the suite's time hardly changes). Set before torch loads its
+# OpenMP runtime; the stage and node processes inherit it. No result depends on it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from spes.config.schema import ModelConfig  # noqa: E402
