@@ -18,7 +18,6 @@ import glob
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -30,6 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.cleanup import exit_on_termination, stop_process_group  # noqa: E402
+from pipelines.prefect_api import _free_port  # noqa: E402
 
 PARAMS = {  # params.yaml's embedded default model and round (50 steps of 8 x 128 tokens), a 512-token vocabulary
     "model": {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_layers": 2, "num_heads": 4,
@@ -39,12 +39,6 @@ PARAMS = {  # params.yaml's embedded default model and round (50 steps of 8 x 12
     "checkpoint": {"every_rounds": 100},
     "dense": {"seq_len": 128}, "eval": {"seq_len": 128, "batches": 2, "batch_size": 2, "every_rounds": 0},
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str):

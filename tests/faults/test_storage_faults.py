@@ -10,17 +10,12 @@ import time
 
 import pytest
 
+from pipelines.prefect_api import _free_port
 from spes.config.loader import load_params
 from spes.errors import ConfigError, StorageError, StoreUnavailable, UnsafePath
 from spes.storage.store import Store
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

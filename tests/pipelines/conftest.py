@@ -4,8 +4,9 @@ import os
 import pytest
 
 from bench.cleanup import stop_process_group
+from pipelines.prefect_api import _free_port
 from tests.conftest import prefect_home
-from tests.pipelines.test_deployment import _free_port, start_prefect_server
+from tests.pipelines.test_deployment import start_prefect_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}

@@ -6,7 +6,6 @@ import glob
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import urllib.request
 
 import pytest
 
+from pipelines.prefect_api import _free_port
 from spes.config.loader import load_params
 from spes.run.run import Run
 from spes.storage.store import Store
@@ -23,12 +23,6 @@ from tests.pipelines.tiny_project import assert_same, final_weights, init_run, m
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STRAGGLER = {"slow": {"run": "dep-slow", "round": 1, "node": 1, "seconds": 30}}  # in the spes-node flow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _api(url: str, path: str, body=None):
