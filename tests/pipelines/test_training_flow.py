@@ -129,12 +129,14 @@ def test_sigkilled_node_is_retried_and_result_unchanged(project, reference, monk
 @pytest.mark.slow
 def test_straggler_left_out_with_quorum(project, prefect_server, monkeypatch):
     """3 nodes, node 1 (expert 2) too slow in round 2: left out; the shared parameters are the mean of the two
-    nodes present, its expert keeps its previous value, and it rejoins in round 3."""
+    nodes present, its expert keeps its previous value, and it rejoins in round 3. The round timeout leaves
+    a loaded 2-core machine room for every round's three node processes (12 s did not, once, with a study
+    running beside the suite); the straggler's 3 steps of 60 s each stay far beyond it."""
     pfile = params_file(project)
-    overrides = ["sync.num_nodes=3", "sync.ownership=[[0,1],[2],[3]]", "orchestration.round_timeout_s=12",
+    overrides = ["sync.num_nodes=3", "sync.ownership=[[0,1],[2],[3]]", "orchestration.round_timeout_s=45",
                  "orchestration.min_nodes=2", "merge.enabled=false", "storage.keep_rounds=null"]
     init_run(pfile, "straggler", overrides)
-    monkeypatch.setenv("SPES_FAULT_PLAN", '{"slow": {"round": 2, "node": 1, "seconds": 20}}')
+    monkeypatch.setenv("SPES_FAULT_PLAN", '{"slow": {"round": 2, "node": 1, "seconds": 60}}')
     out = train(pfile, "straggler", overrides=overrides)
     run = Run(Store.from_config(load_params(pfile, overrides).storage), "straggler")
     agg2 = run.global_meta(2)
