@@ -130,7 +130,7 @@ def test_sigkilled_node_is_retried_and_result_unchanged(project, reference, monk
 def test_straggler_left_out_with_quorum(project, prefect_server, monkeypatch):
     """3 nodes, node 1 (expert 2) too slow in round 2: left out; the shared parameters are the mean of the two
     nodes present, its expert keeps its previous value, and it rejoins in round 3. The round timeout leaves
-    a loaded 2-core machine room for every round's three node processes (12 s did not, once, with a study
+    a loaded 2-core machine room for every round's three node processes (12 s did not, twice, with a study
     running beside the suite); the straggler's 3 steps of 60 s each stay far beyond it."""
     pfile = params_file(project)
     overrides = ["sync.num_nodes=3", "sync.ownership=[[0,1],[2],[3]]", "orchestration.round_timeout_s=45",
