@@ -38,8 +38,9 @@ def _params(root, endpoint: str, executor: str, bucket_prefix: str, **orchestrat
     p.update(artifacts_dir=str(root / "artifacts"),
              storage={"url": f"s3://spes-many/{bucket_prefix}", "options": {"endpoint_url": endpoint}, "keep_rounds": 2},
              checkpoint={"every_rounds": 100})  # node state stays on the node's machine until the end
-    # a heartbeat bound well above what a busy 2-core machine (tests on three workers) can stall a live node for
-    p["orchestration"] = dict(PARAMS["orchestration"], executor=executor, threads_per_node=1, heartbeat_timeout_s=20,
+    # a heartbeat bound well above what a busy 2-core machine (tests on three workers) can stall a live node for:
+    # 20 s was not (CI, stop 45: the spare test's node 1 was declared lost in round 1, before its kill)
+    p["orchestration"] = dict(PARAMS["orchestration"], executor=executor, threads_per_node=1, heartbeat_timeout_s=45,
                               node_retries=4, round_timeout_s=240, **orchestration)
     f = root / f"params-{executor}-{bucket_prefix}.yaml"
     f.write_text(yaml.safe_dump(p))
@@ -185,6 +186,9 @@ def test_a_node_whose_machine_stays_dead_moves_to_a_spare_from_its_last_checkpoi
         beat = "runs/spare/heartbeats/001.json"
         _wait_for("node 1 in the kill round", lambda: store.exists(beat) and
                   json.loads(store.read_bytes(beat))["round"] == KILL_ROUND, 240, [flow])
+        on = json.loads(store.read_bytes(beat))["pid"]  # the machine process whose thread runs the node's round
+        assert on == b.proc.pid, f"node 1 runs round {KILL_ROUND} in process {on}, not on machine B " \
+                                 f"({b.proc.pid}): it moved earlier\n{flow_log.read_text()[-6000:]}"
         time.sleep(2)
         b.kill()  # for good
         rc = flow.wait(timeout=400)
