@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.cleanup import exit_on_termination, stop_process_group  # noqa: E402
-from pipelines.prefect_api import _free_port  # noqa: E402
+from pipelines.prefect_api import free_port  # noqa: E402
 
 PARAMS = {  # params.yaml's embedded default model and round (50 steps of 8 x 128 tokens), a 512-token vocabulary
     "model": {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_layers": 2, "num_heads": 4,
@@ -96,7 +96,7 @@ def main() -> None:
         Run(store, run).ensure(settings_fingerprint(params),
                                InitModel.from_state(CausalLM(params.model).canonical_state_dict(), params.model, "bench"))
 
-    api = f"http://127.0.0.1:{_free_port()}/api"
+    api = f"http://127.0.0.1:{free_port()}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PYTHONPATH=ROOT, PREFECT_API_URL=api, PREFECT_HOME=os.path.join(tmp, "prefect"),
                PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="false")

@@ -40,8 +40,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.cleanup import exit_on_termination, stop_process_group  # noqa: E402
-from bench.deployment_overhead import PARAMS, _free_port, _get, _wait  # noqa: E402
+from bench.deployment_overhead import PARAMS, _get, _wait  # noqa: E402
 from bench.slow_link import Link, SlowLinks, available, service  # noqa: E402
+from pipelines.prefect_api import free_port  # noqa: E402
 
 CREDS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
 
@@ -212,7 +213,7 @@ def main() -> None:
     pfile = os.path.join(tmp, "params.yaml")
     with open(pfile, "w") as f:
         yaml.safe_dump(p, f)
-    api = f"http://127.0.0.1:{_free_port()}/api"
+    api = f"http://127.0.0.1:{free_port()}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "AWS_ENDPOINT"))}
     env.update(CREDS, PYTHONPATH=ROOT, PREFECT_API_URL=api, PREFECT_HOME=os.path.join(tmp, "prefect"),
                PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="false")

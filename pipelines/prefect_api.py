@@ -25,7 +25,8 @@ TEMPORARY_API_ENV = "SPES_TEMPORARY_PREFECT_API"
 """Set while PREFECT_API_URL points at the temporary server started here (no other machine can reach it)."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port nobody listens on now (for a server started here: Prefect's, tests' S3)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -60,7 +61,7 @@ def prefect_api(startup_timeout_s: float = 180.0) -> Iterator[str]:
         return
     # where prefect lives, without importing it: its settings are read at import, after PREFECT_API_URL is set
     app_dir = os.path.dirname(os.path.dirname(importlib.util.find_spec("prefect").origin))
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     env = dict(os.environ, PREFECT_UI_ENABLED="0", PREFECT__SERVER_EPHEMERAL="1", PREFECT__SERVER_FINAL="1",
                PREFECT_SERVER_ANALYTICS_ENABLED="false")

@@ -25,7 +25,7 @@ import tempfile
 
 from spes.errors import MissingInput, ModelError, UsageError
 from stages.common import prefect_env_defaults, run, write_json
-from stages.study_dvc import write_dvcfile
+from stages.study_dvc import dvcfile_of, write_dvcfile
 
 
 def _load(params_path: str):
@@ -171,7 +171,7 @@ def report(a) -> None:
         with open(f) as fh:
             results.append(json.load(fh))
     if missing:
-        raise MissingInput(f"report: no result for {missing} (run `dvc repro compare/dvc.yaml`)")
+        raise MissingInput(f"report: no result for {missing} (run `dvc repro {dvcfile_of(a.params)}`)")
     _fill_train_tokens(p, results)
     summary = summarize(p, results)
     summary["node_memory"] = node_memory

@@ -19,6 +19,14 @@ def study_name(params_path: str) -> str:
     return base[len(STUDY_PREFIX):]
 
 
+def dvcfile_of(params_path: str) -> str:
+    """The DVC file whose stages run this preset's cells: a study preset's own, else compare/dvc.yaml."""
+    base = os.path.splitext(os.path.basename(params_path))[0]
+    if base.startswith(STUDY_PREFIX) and base != STUDY_PREFIX:
+        return f"compare/{study_name(params_path)}/dvc.yaml"
+    return "compare/dvc.yaml"
+
+
 def study_dvcfile(params_path: str) -> dict:
     """The DVC stages of one study preset: the matrix of its cells, written out (a preset inherits some of
     compare.* from params.yaml, which DVC's `vars` cannot follow), each cell a run stage, then the report;

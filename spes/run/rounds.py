@@ -66,6 +66,10 @@ class RunRounds:
         have been moved aside by another writer)."""
         self._globals.clear()
 
+    def forget_global(self, r: int) -> None:
+        """Global r is being removed from storage: a later read must not find it here."""
+        self._globals.pop(r, None)
+
     def _keep(self, r: int, manifest: dict) -> None:
         if self._keep_globals:
             self._globals[r] = manifest

@@ -271,7 +271,7 @@ class Run(RunRounds):
                     if name.isdigit() and (q, int(name)) not in needed:
                         self.store.remove(self.layout.state_dir(q, int(name)))
             if q not in keep and self.store.exists(self.layout.global_dir(q)):
-                self._globals.pop(q, None)
+                self.forget_global(q)
                 self.store.remove(self.layout.global_dir(q))
                 dropped.append(q)
         return dropped

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from pipelines.prefect_api import _free_port
+from pipelines.prefect_api import free_port
 from spes.config.loader import load_params
 from spes.errors import ConfigError, StorageError, StoreUnavailable, UnsafePath
 from spes.storage.store import Store
@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @contextlib.contextmanager
 def _moto_server(monkeypatch, key: str = "testing", **env):
     """An S3 server in its own process (so it can be paused, SIGSTOP, like a hung endpoint), and credentials."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             env=dict(os.environ, **env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for k, v in (("AWS_ACCESS_KEY_ID", key), ("AWS_SECRET_ACCESS_KEY", key), ("AWS_DEFAULT_REGION", "us-east-1")):

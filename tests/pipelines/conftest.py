@@ -4,7 +4,7 @@ import os
 import pytest
 
 from bench.cleanup import stop_process_group
-from pipelines.prefect_api import _free_port
+from pipelines.prefect_api import free_port
 from tests.conftest import prefect_home
 from tests.pipelines.test_deployment import start_prefect_server
 
@@ -27,7 +27,7 @@ def cluster(tmp_path_factory, tiny_tokens, prefect_db):
     fs = s3fs.S3FileSystem(endpoint_url=endpoint, key="testing", secret="testing")
     if not fs.exists("spes-many"):  # moto's state is per process: another module's server made it already
         fs.mkdir("spes-many")
-    api = f"http://127.0.0.1:{_free_port()}/api"
+    api = f"http://127.0.0.1:{free_port()}/api"
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "AWS_", "SPES_"))}
     base.update(CREDS, PYTHONPATH=ROOT, PREFECT_API_URL=api, PREFECT_SERVER_ANALYTICS_ENABLED="false",
                 PREFECT_UI_ENABLED="false")

@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from pipelines.prefect_api import _free_port
+from pipelines.prefect_api import free_port
 from spes.config.loader import load_params
 from spes.run.run import Run
 from spes.storage.store import Store
@@ -62,7 +62,7 @@ def served(tmp_path_factory, tiny_tokens, prefect_db):
     """Prefect server + served training and node deployments, all on loopback, in their own process groups."""
     root = tmp_path_factory.mktemp("deploy")
     make_project(root, tiny_tokens)
-    api = f"http://127.0.0.1:{_free_port()}/api"
+    api = f"http://127.0.0.1:{free_port()}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=prefect_home(root / "prefect_home", prefect_db), PREFECT_API_URL=api, PYTHONPATH=ROOT,
                PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="false")

@@ -40,10 +40,10 @@ def prefect_server_for_stages(tmp_path, prefect_db):
     """A `prefect server start` the stages report to, as in the README's monitored setup: one server for the
     test's dozen stage processes instead of a temporary one each (about 3.5 s of CPU per stage). The
     temporary server a stage starts without one is tested in tests/faults/test_stage_faults.py."""
-    from pipelines.prefect_api import _free_port
+    from pipelines.prefect_api import free_port
     from tests.pipelines.test_deployment import start_prefect_server
 
-    api, procs = f"http://127.0.0.1:{_free_port()}/api", []
+    api, procs = f"http://127.0.0.1:{free_port()}/api", []
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=prefect_home(tmp_path / "server-home", prefect_db), PREFECT_SERVER_ANALYTICS_ENABLED="false",
                PREFECT_UI_ENABLED="false")

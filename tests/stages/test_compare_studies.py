@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from spes.errors import ModelError, UsageError
-from stages.study_dvc import study_dvcfile, study_name
+from stages.study_dvc import dvcfile_of, study_dvcfile, study_name
 from tests.conftest import ROOT
 
 PRESETS = sorted(os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "configs", "compare-*.yaml")))
@@ -81,6 +81,19 @@ def test_study_name_refuses_a_file_that_is_not_a_study():
     for bad in ("params.yaml", "configs/spes-1b.yaml", "configs/compare-.yaml"):
         with pytest.raises(UsageError, match="is not a study preset"):
             study_name(bad)
+
+
+def test_a_report_missing_cells_names_the_dvc_file_that_runs_them(tmp_path, monkeypatch):
+    import argparse
+
+    from spes.errors import MissingInput
+    from stages.compare import report
+
+    monkeypatch.chdir(ROOT)
+    assert dvcfile_of("params.yaml") == "compare/dvc.yaml" and dvcfile_of("configs/compare-.yaml") == "compare/dvc.yaml"
+    assert dvcfile_of("configs/compare-once-16x.yaml") == "compare/once-16x/dvc.yaml"
+    with pytest.raises(MissingInput, match=r"once-spes-0-0\.002-16.*run `dvc repro compare/once-16x/dvc\.yaml`"):
+        report(argparse.Namespace(params="configs/compare-once-16x.yaml", dir=str(tmp_path)))
 
 
 def test_a_damaged_initial_model_record_is_named_not_bypassed(tmp_path, monkeypatch):
