@@ -21,10 +21,10 @@ def study_name(params_path: str) -> str:
 
 def dvcfile_of(params_path: str) -> str:
     """The DVC file whose stages run this preset's cells: a study preset's own, else compare/dvc.yaml."""
-    base = os.path.splitext(os.path.basename(params_path))[0]
-    if base.startswith(STUDY_PREFIX) and base != STUDY_PREFIX:
+    try:
         return f"compare/{study_name(params_path)}/dvc.yaml"
-    return "compare/dvc.yaml"
+    except UsageError:
+        return "compare/dvc.yaml"
 
 
 def study_dvcfile(params_path: str) -> dict:
