@@ -39,7 +39,8 @@ def _params(root, endpoint: str, executor: str, bucket_prefix: str, **orchestrat
              storage={"url": f"s3://spes-many/{bucket_prefix}", "options": {"endpoint_url": endpoint}, "keep_rounds": 2},
              checkpoint={"every_rounds": 100})  # node state stays on the node's machine until the end
     # a heartbeat bound well above what a busy 2-core machine (tests on three workers) can stall a live node for:
-    # 20 s was not (CI, stop 45: the spare test's node 1 was declared lost in round 1, before its kill)
+    # 20 s was not (CI of stop 45: the spare test ended without node 1 moving in round 2, most likely it was
+    # declared lost before, while alive)
     p["orchestration"] = dict(PARAMS["orchestration"], executor=executor, threads_per_node=1, heartbeat_timeout_s=45,
                               node_retries=4, round_timeout_s=240, **orchestration)
     f = root / f"params-{executor}-{bucket_prefix}.yaml"
