@@ -199,9 +199,10 @@ def test_a_node_whose_machine_stays_dead_moves_to_a_spare_from_its_last_checkpoi
         for m in (a, b, c):
             m.stop()
     run = Run(store, "spare")
+    node1 = "\n".join(line for line in out.splitlines() if "lost" in line or "spes-node-spare" in line)
     assert f"node 1 round {KILL_ROUND}: its machine was lost; retrying it on spes-node/spes-node-spare (its state " \
            f"after round {KILL_ROUND - 1} was on the lost machine: from its checkpoint of round 0, an older " \
-           "optimizer state and data position)" in out
+           "optimizer state and data position)" in out, node1  # what the run said of losses and the spare instead
     final = run.load_model(ROUNDS)[0].canonical_state_dict()
     assert any(not torch.equal(final[k], reference[k]) for k in reference)  # node 1 really restarted its state
     assert run.global_meta(ROUNDS).node_states[1].checkpoint  # the last round checkpoints every node, spare or not
