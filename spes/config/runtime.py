@@ -113,7 +113,8 @@ class OrchestrationConfig:
     experts stay at their last committed value while it is away."""
     log_every_steps: int = 10
     """Each node logs its step, loss, tokens/s and the seconds left in the round every this many steps
-    (relayed to its node task's log in the Prefect UI); 0 = never."""
+    (relayed to its node task's log in the Prefect UI) and times them for its round record (TensorBoard's
+    tokens/s within the round); a round trained ahead (sync.overlap) is timed without lines; 0 = never."""
     tensorboard_dir: Optional[str] = "tensorboard"
     """TensorBoard event files of every run, one folder per run (relative to artifacts_dir; spes/run/board.py):
     per-step train loss of each node and the learning rate, held-out loss, traffic, round times, merge alpha,

@@ -115,7 +115,7 @@ def train(ctx: RoundContext, r: int, node: int, data: TokenData, start: Optional
     losses, norms, aux, timeline, tokens, counts = [], [], [], [], 0, None
     t1 = time.perf_counter()
     first_step = (r - 1) * steps
-    every = p.orchestration.log_every_steps if log_progress else 0
+    every = p.orchestration.log_every_steps  # a round trained ahead keeps its timeline, but logs nothing
     for i in range(steps):
         x, y = stream.next()  # the node's batch; this rank's rows of it
         m = trainer.train_step(x[share], y[share], first_step + i)
@@ -128,8 +128,10 @@ def train(ctx: RoundContext, r: int, node: int, data: TokenData, start: Optional
         if m.expert_counts_LE is not None:
             counts = m.expert_counts_LE if counts is None else counts + m.expert_counts_LE
         if every and rank == 0 and ((i + 1) % every == 0 or i + 1 == steps):
+            loss = float(m.ce)  # a host sync: the seconds below are the device's
             elapsed = time.perf_counter() - t1
-            _log_progress(node, r, i + 1, steps, float(m.ce), tokens, elapsed)  # a host sync
+            if log_progress:  # not while another round is in the log: its lines would read as that round's
+                _log_progress(node, r, i + 1, steps, loss, tokens, elapsed)
             timeline.append([i + 1, elapsed])
         if on_step is not None:
             on_step(i)

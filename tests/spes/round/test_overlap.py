@@ -170,6 +170,8 @@ def test_rounds_trained_ahead_give_the_same_bits_and_are_taken_only_for_the_inpu
             # globals fetched while the next round trained: a round reads global r-1 itself only in round 1,
             # and node 0 in round 4 (its prefetch was of global 2; it missed round 3)
             assert sorted(asked_fetch) == [1, 1, 4]
+            # every round is timed for its record (TensorBoard's tokens/s within it), trained ahead or not
+            assert all(t.timeline and t.timeline[-1][0] == p.sync.every_steps for t in results.values())
             # a round's trainer let go of its memory once its results were copied out (node 1, rounds 1-3)
             assert all(p.is_meta for r in (1, 2, 3) for p in results[r, 1].trainer.model.parameters())
     assert shas["plain"] == shas["ahead"]
