@@ -19,10 +19,15 @@ def study_name(params_path: str) -> str:
     return base[len(STUDY_PREFIX):]
 
 
+def study_dvcfile_path(params_path: str) -> str:
+    """configs/compare-merge.yaml -> compare/merge/dvc.yaml (refusing a file that is not a study preset)."""
+    return f"compare/{study_name(params_path)}/dvc.yaml"
+
+
 def dvcfile_of(params_path: str) -> str:
     """The DVC file whose stages run this preset's cells: a study preset's own, else compare/dvc.yaml."""
     try:
-        return f"compare/{study_name(params_path)}/dvc.yaml"
+        return study_dvcfile_path(params_path)
     except UsageError:
         return "compare/dvc.yaml"
 
@@ -123,7 +128,7 @@ def write_dvcfile(a) -> None:
             return True
 
     body = yaml.dump(study_dvcfile(a.params), Dumper=NoAnchors, sort_keys=False, width=1000)
-    path = os.path.join("compare", study_name(a.params), "dvc.yaml")
+    path = study_dvcfile_path(a.params)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         f.write(f"# Made by `python -m stages.compare dvcfile --params {a.params}`: do not edit, regenerate.\n"
