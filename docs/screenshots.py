@@ -26,7 +26,6 @@ import datetime
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,17 +38,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.cleanup import exit_on_termination, stop_process_group  # noqa: E402
+from pipelines.prefect_api import free_port  # noqa: E402
 from spes.cli import run_command  # noqa: E402
 from spes.errors import UsageError  # noqa: E402
 
 RUN = "default"
 WINDOW = "1680,1000"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
