@@ -31,8 +31,7 @@ from spes.errors import IntegrityError, OrchestrationError, RecordError
 from spes.round.context import RoundContext
 from spes.round.driver import round_members
 from spes.run.layout import tokens_dir
-from spes.run.local_runs import node_state_root
-from spes.run.node_state import NodeStateDir
+from spes.run.local_runs import open_node_state
 from spes.run.records import NodeReport, StateRef
 from spes.run.token_share import publish_tokens
 
@@ -85,8 +84,8 @@ class ProcessExecutor(NodeExecutor):
 
     def local_state_checker(self, ctx: RoundContext) -> Optional[Callable[[int, StateRef], bool]]:
         run = ctx.run
-        run_id, root = run.info()["run_id"], node_state_root(ctx.p)
-        return lambda node, ref: NodeStateDir(root, run.store.url, run.name, run_id, node).has_state(ref)
+        run_id = run.info()["run_id"]
+        return lambda node, ref: open_node_state(ctx.p, run.store, run.name, run_id, node).has_state(ref)
 
     def run_node(self, ctx, r, node, timeout_s, checkpoint, tokens_key):
         """The round on the node's long-lived process, its output relayed to the Prefect log."""

@@ -9,7 +9,6 @@ global r-1 instead. Either way the start is a function of what is committed, so 
 """
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -20,7 +19,7 @@ from spes.errors import IntegrityError, MembershipError, NodeStateError, NotComm
 from spes.round.context import RoundContext
 from spes.round.fetch import fetch_global
 from spes.run.layout import MODEL_FILE
-from spes.run.local_runs import node_state_root, tidy_other_runs_once
+from spes.run.local_runs import open_node_state, tidy_other_runs_once
 from spes.run.membership import membership_of
 from spes.run.node_state import NodeState, NodeStateDir
 from spes.run.records import GlobalMeta, StateRef
@@ -61,6 +60,28 @@ class RoundInputs:
     model after round r-1 (see the module docstring)."""
 
 
+class HeldBase:
+    """The global model this node holds on its machine, loaded at most once. A copy that fails its sha256
+    (a flipped byte on the node's disk) is dropped with one warning naming the file, and the caller reads the
+    committed global from storage instead, so a damaged local copy heals rather than stopping every rerun."""
+
+    def __init__(self, local: NodeStateDir):
+        self.local, self.mark = local, local.base()
+        self._tensors: Optional[dict] = None
+
+    def load(self) -> dict:
+        if self._tensors is None:
+            try:
+                self._tensors = self.local.load_base()
+            except IntegrityError as e:
+                log.warning("node %d: its local copy of the global is damaged (%s); dropped, the committed global "
+                            "is read from storage instead", self.local.node, e)
+                self.local.drop_base()
+                self.mark = None
+                raise
+        return self._tensors
+
+
 def read_inputs(ctx: RoundContext, r: int, node: int, from_checkpoint: bool = False,
                 known: Optional[dict[int, HeldGlobal]] = None) -> RoundInputs:
     """Rank 0: global r-1 (rebuilt from the deltas since the global held here, or downloaded) and the node's
@@ -73,7 +94,7 @@ def read_inputs(ctx: RoundContext, r: int, node: int, from_checkpoint: bool = Fa
     info = ctx.run.info()
     if info is None:
         raise ProtocolError(f"run {run!r} has no info on {store.url}")
-    local = NodeStateDir(node_state_root(p), store.url, run, info["run_id"], node)
+    local = open_node_state(p, store, run, info["run_id"], node)
     tidy_other_runs_once(p, store, run, info["run_id"], local)
     held_prev = known.get(r - 1)
     if held_prev is not None and held_prev.mark is not None and held_prev.manifest is not None:
@@ -101,7 +122,8 @@ def read_inputs(ctx: RoundContext, r: int, node: int, from_checkpoint: bool = Fa
     # its own experts' rows in the delta are the bytes it uploaded last: no need to download them back
     own_cached = {experts_file(node): (state.experts_sha256, state.experts_upload)} \
         if state is not None and state.experts_upload else None
-    held, load_held = local.base(), functools.cache(local.load_base)  # the chain to global r-1 starts from it, an overlapped start too
+    held_base = HeldBase(local)  # the chain to global r-1 starts from it, an overlapped start too
+    held, load_held = held_base.mark, held_base.load
     want = prev_manifest["files"][MODEL_FILE]["sha256"]
     if held_prev is not None and held_prev.sha256 == want:
         prev, prev_sha = held_prev.tensors, want
@@ -117,7 +139,7 @@ def read_inputs(ctx: RoundContext, r: int, node: int, from_checkpoint: bool = Fa
     position = state.data_position if state is not None else (r - 1) * p.sync.every_steps
     start = _start_model(ctx, r, node, state, owned, prev, held, load_held, known)
     # kept here after the start is built: an overlapped start may read the global held before it
-    if held != (r - 1, prev_sha) and local.save_base(r - 1, prev) != prev_sha:
+    if held_base.mark != (r - 1, prev_sha) and local.save_base(r - 1, prev) != prev_sha:
         raise StorageError(f"node {node}: global {r - 1} as held here does not hash to the committed {prev_sha[:12]}")
     return RoundInputs(prev, prev_sha, prev_meta.model_config, state, ref, local, owned, membership.slots[node],
                        position, start)
@@ -134,11 +156,15 @@ def _start_model(ctx: RoundContext, r: int, node: int, state: Optional[NodeState
                  state.round, ", for other experts" if state.round == r - 1 else "")
         return prev
     q, sha = state.sent_base
+    base = None
     if q in known and known[q].sha256 == sha:
         base = known[q].tensors
     elif held == (q, sha):
-        base = load_held()
-    else:  # not held here (another machine, a retry after the held global moved on): from storage
+        try:
+            base = load_held()
+        except IntegrityError:  # the damaged copy is dropped (HeldBase); storage has the committed one
+            base = None
+    if base is None:  # not held here (another machine, a retry after the held global moved on): from storage
         where = f"{ctx.store.url}/{ctx.layout.global_dir(q)}"
         try:
             manifest = ctx.run.global_manifest(q)

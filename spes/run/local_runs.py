@@ -12,7 +12,7 @@ import os
 from typing import Optional
 
 from spes.config.schema import Params
-from spes.run.node_state import NodeStateDir
+from spes.run.node_state import NodeStateDir, node_folder
 from spes.run.run import Run
 from spes.storage.store import Store
 
@@ -22,6 +22,16 @@ log = logging.getLogger("spes.run.local_runs")
 def node_state_root(p: Params) -> str:
     o = p.orchestration
     return os.path.expanduser(o.node_state_dir or os.path.join(o.node_cache_dir, "state"))
+
+
+def open_node_state(p: Params, store: Store, run: str, run_id: str, node: int) -> NodeStateDir:
+    """Node `node`'s folder of run `run` on this machine, keyed by the storage's exact location. A folder of
+    the same run id kept under the former key (the storage URL as written) is moved into place once."""
+    local = NodeStateDir(node_state_root(p), store.location, run, run_id, node)
+    if local.adopt(node_folder(node_state_root(p), store.url, run, run_id, node)):
+        log.info("node %d: moved its local state of run %s to %s (keyed by the storage location %s)", node, run,
+                 local.path, store.location)
+    return local
 
 
 def local_states_to_keep(store: Store, name: str, id12: str, node: int,
@@ -62,7 +72,7 @@ def tidy_other_runs(p: Params, store: Store, local: NodeStateDir) -> list[str]:
     out = []
     for name, id12 in local.sibling_runs():
         keep = local_states_to_keep(store, name, id12, local.node)
-        other = NodeStateDir(node_state_root(p), store.url, name, id12, local.node)
+        other = NodeStateDir(node_state_root(p), store.location, name, id12, local.node)
         if keep is not None and other.keep_only(keep):
             out.append(other.path)
     return out
@@ -74,7 +84,7 @@ _SWEPT: set = set()
 
 def tidy_other_runs_once(p: Params, store: Store, run: str, run_id: str, local: NodeStateDir) -> None:
     """tidy_other_runs, once per run and node process (not every round)."""
-    key = (store.url, run, run_id, local.node)
+    key = (store.location, run, run_id, local.node)
     if key in _SWEPT:
         return
     for tidied in tidy_other_runs(p, store, local):
@@ -88,7 +98,7 @@ def forget_finished_run(p: Params, store: Store, run: str, node: int) -> Optiona
     info = Run(store, run).info()
     if info is None:
         return None
-    local = NodeStateDir(node_state_root(p), store.url, run, info["run_id"], node)
+    local = open_node_state(p, store, run, info["run_id"], node)
     keep = local_states_to_keep(store, run, info["run_id"][:12], node, p.storage.keep_rounds)
     if keep is None or not os.path.isdir(local.path) or not local.keep_only(keep):
         return None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -31,6 +32,7 @@ from spes.storage.store import Store
 
 OPTIM_FILE, RESIDUAL_FILE, EXPERTS_FILE, MODEL_FILE = ("optim.safetensors", "residual.safetensors",
                                                        "experts.safetensors", "model.safetensors")
+log = logging.getLogger("spes.run.node_state")
 SENT_FILE = "sent.safetensors"
 """sync.overlap: the node's exact delta of the round; the next round starts from `sent_base` + it."""
 
@@ -73,15 +75,22 @@ def run_folder(run: str, run_id: str) -> str:
     return f"{run}-{run_id[:12]}"
 
 
-def storage_key(url: str) -> str:
-    return hashlib.sha256(url.encode()).hexdigest()[:12]
+def storage_key(location: str) -> str:
+    """The folder of one storage location's runs: a hash of the location exactly (`FileStore.location`: the
+    real path of a local folder; endpoint, bucket and prefix on S3), so copies of a repository that write
+    `storage.url: artifacts/storage` each get their own (before, the URL as written was hashed)."""
+    return hashlib.sha256(location.encode()).hexdigest()[:12]
+
+
+def node_folder(root: str, storage_location: str, run: str, run_id: str, node: int) -> str:
+    return os.path.join(os.path.expanduser(root), storage_key(storage_location), run_folder(run, run_id),
+                        f"node-{node:03d}")
 
 
 class NodeStateDir:
-    def __init__(self, root: str, storage_url: str, run: str, run_id: str, node: int):
+    def __init__(self, root: str, storage_location: str, run: str, run_id: str, node: int):
         self.run, self.run_id, self.node = run, run_id, node
-        self.path = os.path.join(os.path.expanduser(root), storage_key(storage_url), run_folder(run, run_id),
-                                 f"node-{node:03d}")
+        self.path = node_folder(root, storage_location, run, run_id, node)
         self.local = Store(self.path, retries=0)
         self._base_manifest: Optional[dict] = None
 
@@ -141,6 +150,10 @@ class NodeStateDir:
             damaged = None  # type: ignore[assignment]  # no damage: the local copy was read
         if state is None and ref.checkpoint:
             state = self._load(shared, checkpoint_rel, f"{shared.url}/{checkpoint_rel}", digest)
+            if state is not None and damaged is not None:  # the committed twin stands in; the bad copy goes
+                log.warning("node %d: its local state after round %d is damaged (%s); dropped, read from the "
+                            "checkpoint on shared storage instead", self.node, r, damaged)
+                self.local.remove(self.state_rel(r))
         if state is None:
             why = f" (the local copy is damaged: {damaged})" if damaged else ""
             raise NodeStateError(f"node {self.node}: its state after round {r} (digest {digest[:12]}) that the "
@@ -170,8 +183,21 @@ class NodeStateDir:
             if name.isdigit() and int(name) < r:
                 self.local.remove(f"rounds/{name}")
 
+    def adopt(self, older: str) -> bool:
+        """Take over the folder `older` of this same run and node (same run id: a uuid, so it can be no other
+        copy's run) when this one holds nothing yet: a state kept under a former key survives the upgrade."""
+        if older == self.path or not os.path.isdir(older) or os.listdir(self.path):
+            return False
+        os.rmdir(self.path)  # the empty folder the local store made
+        os.rename(older, self.path)
+        run_dir = os.path.dirname(older)
+        if not os.listdir(run_dir):
+            os.rmdir(run_dir)
+        return True
+
     def sibling_runs(self) -> list[tuple[str, str]]:
-        """(run, run id prefix) of the other runs on this storage of which this machine holds this node's state."""
+        """(run, run id prefix) of the other runs on this storage location of which this machine holds this
+        node's state (never those of another location, whatever their names: their storage decides for them)."""
         parent, mine = os.path.split(os.path.dirname(self.path))  # <root>/<storage key>, <run>-<id>
         out = []
         for name in sorted(os.listdir(parent)) if os.path.isdir(parent) else []:
@@ -218,6 +244,10 @@ class NodeStateDir:
     def load_base(self) -> dict[str, torch.Tensor]:
         """The global model held here (its manifest as `base()` last read it; read now if it was not)."""
         return self.local.read_bundle("base", manifest=self._base_manifest).files[MODEL_FILE]
+
+    def drop_base(self) -> None:
+        self.local.remove("base")
+        self._base_manifest = None
 
     def save_base(self, r: int, model: dict[str, torch.Tensor]) -> str:
         """Keep global round r here; returns its file's sha256 (to compare with the committed one)."""

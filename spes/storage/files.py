@@ -52,6 +52,18 @@ class FileStore:
             self.fs.makedirs(self.root, exist_ok=True)
         self.real_root = os.path.realpath(self.root) if protocol == "file" else self.root
 
+    @property
+    def location(self) -> str:
+        """Where this storage is, exactly, whatever the URL as written: the real absolute path of a local
+        folder; scheme, endpoint, bucket and prefix on S3. Two copies of a repository with the same relative
+        `storage.url` have different locations; per-machine state is keyed by this (spes/run/local_runs.py)."""
+        if self.protocol == "file":
+            return f"file://{self.real_root}"
+        endpoint = (getattr(self.fs, "endpoint_url", None) or self.options.get("endpoint_url")
+                    or (self.options.get("client_kwargs") or {}).get("endpoint_url")
+                    or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "aws")
+        return f"{self.protocol}://{str(endpoint).rstrip('/')}/{self.root.strip('/')}"
+
     def counted_apart(self: _S) -> _S:
         """The same storage, connection shared, with byte and call counters of its own: for work on another
         thread whose traffic is reported apart (a prefetch beside a round's own reads)."""
@@ -195,8 +207,32 @@ class FileStore:
         except FileNotFoundError:
             pass
 
+    MARKERS: tuple[str, ...] = ()
+    """File names that make a folder count (a bundle's COMMIT): an object-store move copies them last and
+    deletes them first, so no half-moved folder is ever read as complete, at either end."""
+
     def move(self, src: str, dst: str) -> None:
-        self._io(f"move {src}", self.fs.mv, self.path(src), self.path(dst), recursive=True)
+        """Move the file or folder `src` to `dst`. A local folder is renamed at once. An object store has no
+        folders (s3fs's recursive mv asks for folder keys S3 does not have): each listed object is copied, then
+        the originals deleted, markers copied last and deleted first. Interrupted and retried, it finishes:
+        what is already copied is copied again, what is already deleted is not listed."""
+        if self.protocol == "file":
+            self._io(f"move {src}", self.fs.mv, self.path(src), self.path(dst), recursive=True)
+            return
+        root = self.path(src)
+        found = self._io(f"list {src}", self.fs.find, root)
+        objs = sorted((f.rstrip("/") for f in found), key=lambda f: posixpath.basename(f) in self.MARKERS)
+        if not objs:
+            return
+        for obj in objs:  # markers at the end: a destination bundle is committed only once whole
+            rel = posixpath.relpath(obj, root)
+            target = self.path(dst) if rel == "." else self.path(dst, rel)
+            self._io(f"copy {obj}", self.fs.copy, obj, target)
+        for obj in objs[::-1]:  # markers first: the source stops counting as committed before it thins out
+            try:
+                self._io(f"delete {obj}", self.fs.rm_file, obj)
+            except FileNotFoundError:
+                pass
 
     def size_of(self, rel: str) -> int:
         """Bytes stored under `rel` (all files below it)."""

@@ -60,6 +60,8 @@ def _check_manifest(manifest: Any, where: str) -> dict:
 class Store(FileStore):
     """Shared storage with bundles: write (whole or streamed), commit, read verified."""
 
+    MARKERS = ("COMMIT",)
+
     def is_committed(self, rel: str) -> bool:
         return self.exists(f"{rel}/COMMIT")
 

@@ -208,3 +208,81 @@ def test_a_dropped_connection_costs_one_part_not_the_file(moto_process, way):
     moved = proxy.bytes[way] - (size if way == "down" else 0)  # the streamed read above moved the file once more
     assert size < moved <= size + part + 256 * 2**10, (moved, size)
     assert direct.fs.ls("parts/spes/b", detail=False) and not direct.fs.list_multipart_uploads("parts")
+
+
+@pytest.mark.s3
+def test_moving_a_round_on_s3_copies_then_deletes_and_finishes_when_retried(moto_process):
+    """S3 has no folders: s3fs's recursive mv asked for folder keys and failed (a resume after an interrupted
+    round). The move copies each object, markers last, then deletes, markers first; cut between the copies and
+    the deletes, a second try finishes it, and no half-moved bundle ever reads as committed."""
+    import s3fs
+    import torch
+
+    from spes.errors import NotCommitted
+
+    endpoint, _ = moto_process
+    s3fs.S3FileSystem(endpoint_url=endpoint).mkdir("moves")
+    store = Store("s3://moves/spes", {"endpoint_url": endpoint}, retries=1, backoff_s=0.01)
+    for node in (0, 1):
+        store.write_bundle(f"rounds/000003/nodes/{node}", {"m.safetensors": {"w": torch.full((4,), float(node))}},
+                           {"node": node})
+    store.write_bytes("info", b"{}")
+    copies, real_rm = [], store.fs.rm_file
+
+    def cut_after_one_delete(path):  # the first delete lands, the process dies at the second
+        copies.append(path)
+        if len(copies) == 2:
+            raise KeyboardInterrupt
+        return real_rm(path)
+
+    store.fs.rm_file = cut_after_one_delete
+    with pytest.raises(KeyboardInterrupt):
+        store.move("rounds/000003", "superseded/s1/000003")
+    assert [p.rsplit("/", 1)[1] for p in copies] == ["COMMIT", "COMMIT"]  # markers go first
+    for node in (0, 1):  # the destination is whole; the source no longer counts as committed
+        assert store.read_bundle(f"superseded/s1/000003/nodes/{node}").files["m.safetensors"]["w"][0] == node
+    with pytest.raises(NotCommitted):
+        store.read_manifest("rounds/000003/nodes/1")
+    store.fs.rm_file = real_rm
+    store.move("rounds/000003", "superseded/s2/000003")  # the retry (a new stamp, as supersede_after does)
+    assert store.list_names("rounds") == [] and store.list_names("superseded/s1/000003/nodes") == ["0", "1"]
+    store.move("info", "superseded/s2/info")  # a single object
+    assert not store.exists("info") and store.read_bytes("superseded/s2/info") == b"{}"
+    store.move("rounds/000009", "superseded/s3/000009")  # nothing there: nothing to do
+
+
+@pytest.mark.s3
+def test_an_object_shorter_than_its_manifest_by_whole_parts_is_an_integrity_error_naming_it(moto_process):
+    """Read part by part, the last ranged GET of a short object starts past its end (S3 answers 416): the
+    same integrity error as a size or sha256 mismatch, naming the file, not a bare OSError."""
+    import s3fs
+    import torch
+
+    from spes.errors import IntegrityError
+
+    endpoint, _ = moto_process
+    s3fs.S3FileSystem(endpoint_url=endpoint).mkdir("short")
+    Store("s3://short/spes", {"endpoint_url": endpoint}).write_bundle("b", {"m.safetensors": {"w": torch.arange(4096, dtype=torch.float32)}}, {})
+    store = Store("s3://short/spes", {"endpoint_url": endpoint}, retries=1, backoff_s=0.01, part_bytes=1024)
+    path = store.path("b/m.safetensors")
+    store.fs.pipe_file(path, store.fs.cat_file(path)[:4096])  # 3 of its 16 kB parts gone
+    with pytest.raises(IntegrityError, match=r"s3://short/spes/b/m.safetensors: .*(size|truncated)"):
+        store.read_bundle("b")
+    with pytest.raises(IntegrityError, match=r"b/m.safetensors: sha256/size mismatch"):
+        store.read_verified("b", "m.safetensors", store.read_manifest("b")["files"]["m.safetensors"])
+
+
+def test_a_storage_location_is_exact_whatever_the_url_as_written(tmp_path, monkeypatch):
+    """Two copies of a repository both write storage.url: artifacts/storage; their storages are not one."""
+    for clone in ("a", "b"):
+        (tmp_path / clone).mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    a = Store("artifacts/storage")
+    monkeypatch.chdir(tmp_path / "b")
+    b = Store("artifacts/storage")
+    assert a.url == b.url and a.location != b.location
+    assert a.location == f"file://{os.path.realpath(tmp_path / 'a' / 'artifacts' / 'storage')}"
+    os.symlink(tmp_path / "a" / "artifacts", tmp_path / "link")
+    assert Store(str(tmp_path / "link" / "storage")).location == a.location
+    s3 = [Store("s3://bucket/runs", {"endpoint_url": e}).location for e in ("http://127.0.0.1:9000", "http://h:1/")]
+    assert s3 == ["s3://http://127.0.0.1:9000/bucket/runs", "s3://http://h:1/bucket/runs"]

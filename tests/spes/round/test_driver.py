@@ -129,7 +129,7 @@ def test_an_extended_wsd_run_equals_one_that_had_that_many_rounds_from_the_start
     info = run.info()
 
     def local(i, ref):
-        return NodeStateDir(node_state_root(p6), run.store.url, "r", info["run_id"], i).has_state(ref)
+        return NodeStateDir(node_state_root(p6), run.store.location, "r", info["run_id"], i).has_state(ref)
 
     first = resume_point(p6, run, "latest", local)  # decay began at step 4 (old) and 6 (new): rounds 1-2 stay
     assert first == 3

@@ -46,7 +46,7 @@ def _rounds(p, run, data, rounds, checkpoint_at=(), retain=True):
 
 
 def _state(p, run, r, node):
-    local = NodeStateDir(node_state_root(p), run.store.url, "r", run.info()["run_id"], node)
+    local = NodeStateDir(node_state_root(p), run.store.location, "r", run.info()["run_id"], node)
     return local.load_state(run.global_meta(r).node_states[node], run.store, run.layout.state_dir(r, node))
 
 

@@ -83,7 +83,7 @@ def test_every_node_rebuilds_the_committed_global_bit_for_bit(tmp_path, data, co
             assert set(dm["files"]) == {SHARED_FILE}
     info = run.info()
     for i in (0, 1):  # what each node holds (rebuilt from deltas in round 3) has the committed sha256
-        base = NodeStateDir(node_state_root(p), run.store.url, "r", info["run_id"], i).base()
+        base = NodeStateDir(node_state_root(p), run.store.location, "r", info["run_id"], i).base()
         assert base == (2, run.store.read_manifest(run.layout.global_dir(2))["files"][MODEL_FILE]["sha256"])
 
 
@@ -250,7 +250,7 @@ def test_node_state_is_the_one_the_global_was_built_with(tmp_path, data):
     for i in (0, 1):
         node_round(RoundContext.build(p, "r", run.store), 2, i, data, checkpoint=True)
     aggregate_round(RoundContext.build(p, "r", run.store), 2)
-    local = NodeStateDir(node_state_root(p), run.store.url, "r", run.info()["run_id"], 0)
+    local = NodeStateDir(node_state_root(p), run.store.location, "r", run.info()["run_id"], 0)
     local.local.remove("rounds/000002")  # the node's own copy is lost: the checkpoint serves
     do_round(p, run, data, 3)
     assert run.store.read_manifest(run.layout.global_dir(3))["files"][MODEL_FILE]["sha256"] == _reference(tmp_path, data)
@@ -326,7 +326,7 @@ def test_a_finished_run_keeps_on_the_node_machine_only_what_a_resume_needs(tmp_p
     assert forget_finished_run(p, store, "open", 0) is None  # not finished: kept whole
     # finished: global 1 (still on storage) was built with round 1's states, which only the nodes hold
     assert forget_finished_run(p, store, "done", 1).endswith("node-001")
-    d1 = NodeStateDir(node_state_root(p), store.url, "done", runs["done"].info()["run_id"], 1)
+    d1 = NodeStateDir(node_state_root(p), store.location, "done", runs["done"].info()["run_id"], 1)
     assert d1.local.list_names("rounds") == ["000001"] and d1.base() is None
     assert forget_finished_run(p, store, "done", 1) is None  # nothing more to drop
     # once retention lets global 1 go, nothing local is needed: node 0's first round of another run on this
