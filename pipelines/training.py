@@ -20,6 +20,7 @@ from pipelines.formatting import load_heatmap, sparkline
 from pipelines.library_logs import relay_library_logs
 from pipelines.round import artifact_key, open_run, round_task
 from spes.config.loader import load_params, to_dict
+from spes.config.local_paths import check_local_paths
 from spes.errors import ConfigError, SpesError
 from spes.round.context import RoundContext
 from spes.round.driver import checkpoint_due, resume_point
@@ -61,6 +62,7 @@ def spes_training(params_path: str = "params.yaml", overrides: Optional[list[str
     if stage not in STAGES:
         raise ConfigError(f"stage must be one of {STAGES}, got {stage!r}")
     p = load_params(params_path, list(overrides or []) + ([f"orchestration.run_name={run_name}"] if run_name else []))
+    check_local_paths(p)  # a deployment run reads its settings here: checked before the lease, as a stage's
     run = p.orchestration.run_name
     if not run_name:
         _rename_flow_run(run, stage, resume_round)

@@ -6,6 +6,7 @@ import os
 
 from spes.cli import run_command
 from spes.config.loader import load_params
+from spes.config.local_paths import check_local_paths
 from spes.config.schema import Params
 from spes.storage.atomic import write_json  # noqa: F401  (the stages write their JSON through it)
 
@@ -18,7 +19,9 @@ def parse(description: str, stages: tuple[str, ...] = ()) -> tuple[argparse.Name
     ap.add_argument("--params", default="params.yaml", help="the params file (default: params.yaml)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the params file, e.g. sync.rounds=12")
     a = ap.parse_intermixed_args()  # overrides anywhere on the line, as OmegaConf/Hydra users expect
-    return a, load_params(a.params, a.overrides)  # a ConfigError ends the stage in one line (run)
+    p = load_params(a.params, a.overrides)  # a ConfigError ends the stage in one line (run)
+    check_local_paths(p)  # before anything is written
+    return a, p
 
 
 TIMING_KEYS = ("seconds", "encode_seconds", "tokens_per_s", "round_wall_s_mean", "heldout_s_mean",

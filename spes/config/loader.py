@@ -30,13 +30,17 @@ def validate(p: Params) -> Params:
     return p.validate()
 
 
-def _to_params(*configs: Any, where: str = "") -> Params:
+def _to_params(*configs: Any, where: str = "", overrides: Optional[list[str]] = None) -> Params:
+    """The merged configs as Params. An error names where the bad key came from: `where` (the params file), or
+    the command line's `key=value` when the key was given there."""
     try:
         merged = OmegaConf.merge(OmegaConf.structured(Params), *configs)
         params: Params = OmegaConf.to_object(merged)  # type: ignore[assignment]  # checked as it is built
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
-        raise ConfigError(f"{where}{str(e).splitlines()[0]} (key: {key}){_did_you_mean(key)}") from None
+        given = [o for o in overrides or [] if o.split("=", 1)[0].lstrip("+") == key]
+        origin = f"command line {given[-1]!r}: " if given else where
+        raise ConfigError(f"{origin}{str(e).splitlines()[0]} (key: {key}){_did_you_mean(key)}") from None
     return params
 
 
@@ -63,7 +67,7 @@ def load_params(path: str = "params.yaml", overrides: Optional[list[str]] = None
     for cfg in configs:
         _refuse_former_keys(cfg, f"{path}: ")
     _refuse_former_keys(dotlist, "override: ")
-    return _to_params(*configs, dotlist, where=f"{path}: ")
+    return _to_params(*configs, dotlist, where=f"{path}: ", overrides=list(overrides or []))
 
 
 def _refuse_former_keys(cfg: Any, where: str) -> None:

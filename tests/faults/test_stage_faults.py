@@ -137,6 +137,11 @@ def _tree_digest(folder) -> str:
     ("model.num_kv_heads=0", "model.num_kv_heads must be > 0"),
     ("orchestration.lock_ttl_s=0", "orchestration.lock_ttl_s must be >= 3"),
     ("orchestration.run_name=../../../x", "orchestration.run_name: '../../../x' is not a safe name"),
+    ("orchestration.tensorboard_dir=/etc/passwd", "orchestration.tensorboard_dir: /etc/passwd is a file"),
+    ("orchestration.tensorboard_dir=/proc/x", "orchestration.tensorboard_dir: /proc/x cannot be written"),
+    ("orchestration.node_state_dir=/etc/passwd/state", "orchestration.node_state_dir: /etc/passwd/state cannot "
+                                                         "be made: /etc/passwd is a file"),
+    ("sync.every_steps=abc", "command line 'sync.every_steps=abc': Value 'abc'"),
 ])
 def test_bad_settings_fail_before_anything_runs_or_is_written(project, reference, override, message):
     before = _tree_digest(project / "storage")

@@ -71,6 +71,18 @@ def test_unknown_keys_and_wrong_types(tmp_path):
         load_params(str(tmp_path / "missing.yaml"))
 
 
+def test_a_bad_key_given_on_the_command_line_names_the_command_line(tmp_path):
+    f = tmp_path / "p.yaml"
+    f.write_text("sync:\n  every_steps: 3\n")
+    with pytest.raises(ConfigError, match=r"^command line 'sync\.every_steps=abc': Value 'abc' .* \(key: sync.every_steps\)$"):
+        load_params(str(f), ["sync.rounds=4", "sync.every_steps=abc"])
+    with pytest.raises(ConfigError, match=r"^command line 'sync\.nodes=3': Key 'nodes' not in 'SyncConfig'"):
+        load_params(str(f), ["sync.nodes=3"])
+    f.write_text("sync:\n  every_steps: abc\n")  # the file's own bad value still names the file
+    with pytest.raises(ConfigError, match=rf"^{f}: Value 'abc'"):
+        load_params(str(f), ["sync.rounds=4"])
+
+
 @pytest.mark.parametrize("where,former,now", [
     ("yaml", "spes:\n  sync_steps: 20\n", "spes.sync_steps is now sync.every_steps"),
     ("yaml", "spes:\n  merge: {top_k: 2}\n", "spes.merge.top_k is now merge.top_k"),
