@@ -156,8 +156,12 @@ class Store(FileStore):
             where = f"{self.url}/{rel}/{fname}"
             if entry.get("raw"):
                 raise IntegrityError(f"{where} is a raw file, not safetensors")
+            blob = self.read_verified(rel, fname, entry)
+            if blob[:1] == b"\x80" and blob[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+                raise IntegrityError(f"{where}: a Python pickle, not safetensors: never loaded; nothing of this "
+                                     "system writes one, so storage holds a file it did not write")
             try:
-                tensors = st_load(self.read_verified(rel, fname, entry))
+                tensors = st_load(blob)
             except IntegrityError:
                 raise
             except Exception as e:  # bytes that match the manifest but are no safetensors file
