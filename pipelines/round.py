@@ -16,6 +16,7 @@ artifact per round (node, loss, tokens, bytes up/down, seconds, expert load) sho
 
 # No `from __future__ import annotations` here: Prefect's runner pickles a served flow by value, and
 # its parameter annotations must resolve as objects in the child process.
+import os
 import re
 import time
 from typing import Any, Optional
@@ -36,7 +37,15 @@ from spes.round.node import committed_report
 from spes.run.records import GlobalMeta, NodeReport, RoundRecord
 
 
+def experiment_label() -> str:
+    """The DVC experiment this process runs in (`DVC_EXP_NAME`, set by `dvc exp run`), or ''. Flow-run names
+    and artifact keys carry it, so `default-train` of two experiments are told apart in the Prefect UI."""
+    return os.environ.get("DVC_EXP_NAME", "")
+
+
 def artifact_key(*parts: Any) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes; a DVC experiment's name comes first."""
+    parts = ((experiment_label(),) if experiment_label() else ()) + parts
     return re.sub(r"[^a-z0-9-]+", "-", "-".join(str(p) for p in parts).lower()).strip("-")
 
 

@@ -18,7 +18,7 @@ from prefect.runtime import flow_run
 from pipelines.executors import NodeExecutor, executor_for
 from pipelines.formatting import load_heatmap, sparkline
 from pipelines.library_logs import relay_library_logs
-from pipelines.round import artifact_key, open_run, round_task
+from pipelines.round import artifact_key, experiment_label, open_run, round_task
 from spes.config.loader import load_params, to_dict
 from spes.config.local_paths import check_local_paths
 from spes.errors import ConfigError, SpesError
@@ -34,17 +34,22 @@ STAGES = ("warmup", "train", "all")
 
 
 def _flow_run_name() -> str:
-    """'<run>-<stage>[-resume-<K>]', so resumed runs stand out in the UI (the run name is filled in from the
-    params file once the flow has read it, when no run_name parameter was given)."""
+    """'[<experiment>-]<run>-<stage>[-resume-<K>]', so resumed runs and DVC experiments stand out in the UI
+    (the run name is filled in from the params file once the flow has read it, when no run_name was given)."""
     prm = flow_run.parameters
-    resume = prm.get("resume_round")
-    return f"{prm.get('run_name') or 'spes'}-{prm.get('stage', 'all')}" + (f"-resume-{resume}" if resume is not None else "")
+    return _flow_run_label(prm.get("run_name") or "spes", prm.get("stage", "all"), prm.get("resume_round"))
+
+
+def _flow_run_label(run: str, stage: str, resume_round) -> str:
+    """'[<DVC experiment>-]<run>-<stage>[-resume-<K>]'."""
+    exp = experiment_label()
+    return (f"{exp}-" if exp else "") + f"{run}-{stage}" + (f"-resume-{resume_round}" if resume_round is not None else "")
 
 
 def _rename_flow_run(run: str, stage: str, resume_round) -> None:
     from prefect.client.orchestration import get_client
 
-    name = f"{run}-{stage}" + (f"-resume-{resume_round}" if resume_round is not None else "")
+    name = _flow_run_label(run, stage, resume_round)
     try:
         with get_client(sync_client=True) as client:
             client.update_flow_run(flow_run.id, name=name)
