@@ -212,3 +212,38 @@ def test_sigterm_stops_the_stage_within_seconds_releasing_the_lease(project, ref
     res = stage(project, "stages.rounds", "warmup", "orchestration.run_name=termed")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert global_sha(project, "termed", 2) == reference
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_a_stage_stopped_mid_round_on_s3_resumes_with_the_same_command(project, reference, monkeypatch, how):
+    """Storage on an S3 server: the stage stopped while node 1 is in the middle of round 1 (node 0's upload
+    committed). The same command moves the partial round aside (object by object: S3 has no folders to mv)
+    and ends bitwise equal to the uninterrupted run; the partial round is kept under superseded/, whole."""
+    import signal
+
+    from tests.faults.test_storage_faults import _moto_server
+
+    with _moto_server(monkeypatch) as (endpoint, _):
+        import s3fs
+
+        s3fs.S3FileSystem(endpoint_url=endpoint).mkdir("stops")
+        on_s3 = ["storage.url=s3://stops/spes", f"storage.options.endpoint_url={endpoint}",
+                 f"orchestration.run_name=s3-{how.lower()}"]
+        plan = json.dumps({"slow": {"run": f"s3-{how.lower()}", "round": 1, "node": 1, "seconds": 300}})
+        proc = stage(project, "stages.rounds", "warmup", *on_s3, env_extra={"SPES_FAULT_PLAN": plan}, wait=False)
+        store = Store("s3://stops/spes", {"endpoint_url": endpoint})
+        layout = Run(store, f"s3-{how.lower()}").layout
+        deadline = time.time() + 300
+        while not store.is_committed(layout.node_dir(1, 0)):
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
+            time.sleep(0.5)
+        proc.send_signal(getattr(signal, how))
+        proc.communicate(timeout=120)
+        time.sleep(1)  # a killed stage's helpers go with it (test_sigkilled_stage_...)
+        res = stage(project, "stages.rounds", "warmup", *on_s3)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        assert store.read_manifest(layout.global_dir(2))["files"][MODEL_FILE]["sha256"] == reference
+        stamps = store.list_names(f"{layout.base}/superseded")
+        assert len(stamps) == 1 and store.is_committed(f"{layout.base}/superseded/{stamps[0]}/000001/nodes/000")
