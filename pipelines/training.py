@@ -13,8 +13,10 @@ from typing import Optional, Union
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
 
+from pipelines import stopping
 from pipelines.executors import NodeExecutor, executor_for
 from pipelines.formatting import load_heatmap, sparkline
 from pipelines.library_logs import relay_library_logs
@@ -80,8 +82,21 @@ def spes_training(params_path: str = "params.yaml", overrides: Optional[list[str
         except SpesError as e:
             lease.explain(e)  # a failure after the lease was lost says so
             raise
+        except TerminationSignal:
+            _stop_what_is_in_flight("SIGTERM")
+            raise
         finally:
             executor.close()
+
+
+def _stop_what_is_in_flight(why: str) -> None:
+    """While a flow runs, Prefect owns the SIGTERM handler (its TerminationSignal replaces the stage's own,
+    pipelines/stopping.py): cancel the node work in flight here too, so the orchestrator ends within seconds,
+    not when the rounds on other machines end."""
+    if stopping.STOPPING.is_set():
+        return  # the stage's own handler did it
+    cancelled = stopping.cancel_in_flight()
+    get_run_logger().warning("%s: stopping; cancelled %s", why, ", ".join(cancelled) or "no node flow run")
 
 
 def _round_bar(run: str, stage: str, first: int, last: int):

@@ -350,3 +350,54 @@ def test_a_run_over_slow_links_with_a_cut_ends_bitwise_equal_to_one_over_loopbac
         relayed_up = sum(r.bytes_up for r in node.relays.values())
         relayed_down = sum(r.bytes_down for r in node.relays.values())
         assert up - up0 >= relayed_up > 0 and down - down0 >= relayed_down > 0
+
+
+@pytest.mark.s3
+@pytest.mark.slow
+def test_sigterm_stops_the_orchestrator_within_seconds_cancelling_the_node_flow_runs(cluster, reference, monkeypatch):
+    """Two node hosts; the orchestrator gets SIGTERM while node 1 is in the middle of round 2 on machine B.
+    While a flow runs Prefect owns the SIGTERM handler, so the orchestrator used to end only when the round on
+    the other machine ended, having cancelled nothing. Now: it exits within seconds, node 1's round-2 flow
+    run is cancelled (its host stops that round's work), the committed rounds are kept, and the same command
+    ends the run bitwise equal to the uninterrupted one."""
+    root, orch, api = cluster["root"], cluster["orch"], cluster["api"]
+    for k, v in CREDS.items():
+        monkeypatch.setenv(k, v)
+    env = cluster["env"]("orchestrator")
+    pfile = _params(orch, cluster["endpoint"], "deployment", "termed")
+    init_run(pfile, "termed")
+    slow = {"slow": {"run": "termed", "round": KILL_ROUND, "node": 1, "seconds": 300}}
+    a = Machine(cluster, "machine-a", "--nodes", "0").start()
+    b = Machine(cluster, "machine-b", "--nodes", "1").start(SPES_FAULT_PLAN=json.dumps(slow))
+    try:
+        _wait_for("node deployments", lambda: _ready(api, ["spes-node/spes-node-0", "spes-node/spes-node-1"]), 120,
+                  [a.proc, b.proc])
+        flow, flow_log = _orchestrate(pfile, "termed", env, orch)
+        store = Store.from_config(load_params(pfile).storage)
+        layout = Run(store, "termed").layout
+        _wait_for("node 0's round-2 upload", lambda: store.is_committed(layout.node_dir(KILL_ROUND, 0)), 240, [flow])
+        time.sleep(2)  # node 1 inside its slow step
+        t0 = time.time()
+        os.kill(flow.pid, signal.SIGTERM)
+        flow.wait(timeout=120)
+        took, out = time.time() - t0, flow_log.read_text()
+        assert took < 20 and flow.returncode != 0, out[-4000:]
+        assert "SIGTERM: stopping; cancelled node 1 round 2" in out, out[-4000:]
+
+        def node_1_cancelled() -> bool:
+            runs = _api(api, "/flow_runs/filter", {"flow_runs": {"name": {"any_": ["termed-node-1-round-2"]}}})
+            return bool(runs) and all(r["state_type"] in ("CANCELLED", "CANCELLING") for r in runs)
+
+        _wait_for("node 1's round-2 flow run to be cancelled", node_1_cancelled, 30, [a.proc, b.proc])
+        assert Run(store, "termed").committed_rounds()[-1] == KILL_ROUND - 1
+        b.stop()
+        b.start()  # the fault gone; node 1's local state of round 1 is still on machine B
+        flow, flow_log = _orchestrate(pfile, "termed", env, orch)
+        rc = flow.wait(timeout=400)
+        assert rc == 0, flow_log.read_text()[-6000:]
+    finally:
+        a.stop()
+        b.stop()
+    run = Run(store, "termed")
+    assert run.committed_rounds()[-1] == ROUNDS
+    assert_same(run.load_model(ROUNDS)[0].canonical_state_dict(), reference)
