@@ -23,7 +23,8 @@ from pipelines.library_logs import relay_library_logs
 from pipelines.round import artifact_key, experiment_label, open_run, round_task
 from spes.config.loader import load_params, to_dict
 from spes.config.local_paths import check_local_paths
-from spes.errors import ConfigError, SpesError
+from spes.config.schema import check_against_model
+from spes.errors import ConfigError, ProtocolError, SpesError
 from spes.round.context import RoundContext
 from spes.round.driver import checkpoint_due, resume_point
 from spes.run.board import RunBoard, board_dir
@@ -75,6 +76,10 @@ def spes_training(params_path: str = "params.yaml", overrides: Optional[list[str
         _rename_flow_run(run, stage, resume_round)
     ctx, executor = open_run(p, run), executor_for(p)
     executor.prepare(ctx)  # before the lease and any round
+    if resume_round is not None and ctx.run.info() is None and not ctx.run.committed_rounds():
+        raise ProtocolError(f"resume_round={resume_round}: run {run!r} has nothing to resume on "
+                            f"{ctx.store.location}; a run started with overrides (storage, model, nodes) resumes "
+                            "with the same ones: --param 'overrides=[\"storage.url=...\", ...]' (docs/operating.md)")
     with RunLease(ctx.store, run, p.orchestration.lock_ttl_s) as lease:
         ctx.run.forget_globals()  # what was read before the lease may have been moved aside by another writer since
         try:
@@ -162,13 +167,17 @@ def _run_rounds(ctx: RoundContext, executor: NodeExecutor, lease: RunLease, stag
     p, run = ctx.p, ctx.run
     executor.start(ctx)
     on_mismatch = "restart" if p.orchestration.supersede else on_mismatch
-    run.ensure(settings_fingerprint(p), InitModel.load(init_path) if init_path else None, on_mismatch,
+    init = InitModel.load(init_path) if init_path else None
+    if init is not None:  # before round 0 is written from it
+        check_against_model(p, init.model_config, init_path)
+    run.ensure(settings_fingerprint(p), init, on_mismatch,
                legacy=legacy_fingerprint(p), fresh=p.orchestration.fresh and stage != "train",
                settings=fingerprinted(to_dict(p)))
     # a damaged latest round is set aside (not a dead end); an extended wsd run keeps its stable rounds
     first = resume_point(p, run, resume_round, executor.local_state_checker(ctx))
     run.prune_superseded(p.storage.keep_superseded)
-    run.check_global(first - 1)
+    start_meta = run.check_global(first - 1)
+    check_against_model(p, start_meta.model_config, f"{run.store.url}/{run.layout.global_dir(first - 1)}")
     last = p.sync.warmup_rounds if stage == "warmup" else p.sync.rounds
     if first > last:  # e.g. resume_round=latest on a finished run: say so rather than "starting at round 11"
         logger.info("run %s: nothing to do: rounds 1-%d of the %s stage are committed (round %d is the latest)",

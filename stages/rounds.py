@@ -28,6 +28,10 @@ def main() -> None:
     init = os.path.join(p.artifacts_dir, "init", "model.safetensors")
     if not os.path.exists(init):  # say so at once, not after the Prefect server and the nodes started
         raise MissingInput(f"{init} does not exist: run the earlier stages first (dvc repro upcycle)")
+    from spes.config.schema import check_against_model
+    from spes.run.identity import InitModel
+
+    check_against_model(p, InitModel.load(init).model_config, init)  # the flow checks again; here it is one line
     prefect_env_defaults()
     from pipelines.prefect_api import prefect_api
     from spes.round.context import RoundContext

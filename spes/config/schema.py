@@ -148,6 +148,21 @@ class Params:
              "every member, a round a node misses fails before the node can be evicted")
 
 
+def check_against_model(p: Params, recorded: dict, where: str) -> None:
+    """The settings against the model a run actually trains (the architecture recorded with its global, which
+    may differ from `p.model`: an initial model made by another preset): merging donors, experts to own,
+    sequence length. One line naming both, before any node trains, instead of a failure at aggregation."""
+    actual = model_for_training(recorded, p.model)
+    if actual == p.model:
+        return
+    try:
+        dataclasses.replace(p, model=actual).validate()
+    except ConfigError as e:
+        raise ConfigError(f"the settings do not fit the model this run trains ({where}: {actual.num_experts} experts, "
+                          f"{actual.num_layers} layers, max_seq_len {actual.max_seq_len}; params.yaml's model has "
+                          f"{p.model.num_experts}, {p.model.num_layers}, {p.model.max_seq_len}): {e}") from None
+
+
 def _leaves(obj: Any, prefix: str) -> Iterator[tuple[str, Any]]:
     """(dotted key, value) of every setting below a section, lists and dicts walked into."""
     if dataclasses.is_dataclass(obj):

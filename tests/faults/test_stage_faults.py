@@ -142,12 +142,15 @@ def _tree_digest(folder) -> str:
     ("orchestration.node_state_dir=/etc/passwd/state", "orchestration.node_state_dir: /etc/passwd/state cannot "
                                                          "be made: /etc/passwd is a file"),
     ("sync.every_steps=abc", "command line 'sync.every_steps=abc': Value 'abc'"),
+    # fit params.yaml's model but not the initial model the run trains (4 experts): refused before round 0
+    ("model.num_experts=8 merge.top_k=5", "the settings do not fit the model this run trains"),
 ])
 def test_bad_settings_fail_before_anything_runs_or_is_written(project, reference, override, message):
     before = _tree_digest(project / "storage")
-    res = stage(project, "stages.rounds", "warmup", override, timeout=120)
+    res = stage(project, "stages.rounds", "warmup", "orchestration.run_name=refused", *override.split(), timeout=120)
     assert res.returncode == 2
     lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert lines, res.stdout[-3000:]
     assert lines == [f"config error: {lines[0].split('config error: ')[1]}"] and message in lines[0]
     assert _tree_digest(project / "storage") == before
 

@@ -165,6 +165,15 @@ def test_second_writer_is_refused(project, prefect_server):
     holder.release()
 
 
+def test_a_resume_of_a_run_that_is_not_on_this_storage_starts_nothing(project, prefect_server):
+    """resume_round given, and the run not on the storage the settings name (it was started with other
+    overrides): refused in one line naming the storage, instead of training a new run from round 1."""
+    pfile = params_file(project)
+    with pytest.raises(ProtocolError, match=r"resume_round=latest: run 'elsewhere' has nothing to resume on file://"):
+        train(pfile, "elsewhere", resume_round="latest")
+    assert Store.from_config(load_params(pfile).storage).list_names("runs/elsewhere") == []
+
+
 @pytest.mark.s3
 @pytest.mark.slow
 def test_s3_storage_with_resume(project, reference, monkeypatch):
