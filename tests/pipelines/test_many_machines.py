@@ -360,7 +360,7 @@ def test_sigterm_stops_the_orchestrator_within_seconds_cancelling_the_node_flow_
     the other machine ended, having cancelled nothing. Now: it exits within seconds, node 1's round-2 flow
     run is cancelled (its host stops that round's work), the committed rounds are kept, and the same command
     ends the run bitwise equal to the uninterrupted one."""
-    root, orch, api = cluster["root"], cluster["orch"], cluster["api"]
+    orch, api = cluster["orch"], cluster["api"]
     for k, v in CREDS.items():
         monkeypatch.setenv(k, v)
     env = cluster["env"]("orchestrator")
