@@ -28,6 +28,10 @@ def open_node_state(p: Params, store: Store, run: str, run_id: str, node: int) -
     """Node `node`'s folder of run `run` on this machine, keyed by the storage's exact location. A folder of
     the same run id kept under the former key (the storage URL as written) is moved into place once."""
     local = NodeStateDir(node_state_root(p), store.location, run, run_id, node)
+    label = os.path.join(os.path.dirname(os.path.dirname(local.path)), "LOCATION")
+    if not os.path.exists(label):  # which storage this folder's runs live on, for whoever looks at the disk
+        with open(label, "w") as f:
+            f.write(store.location + "\n")
     if local.adopt(node_folder(node_state_root(p), store.url, run, run_id, node)):
         log.info("node %d: moved its local state of run %s to %s (keyed by the storage location %s)", node, run,
                  local.path, store.location)

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -152,3 +153,37 @@ def test_dvc_repro_end_to_end(tmp_path, prefect_db, prefect_server_for_stages):
         assert ("`git checkout params.yaml` undoes it" in out) == hint, out[-3000:]
         assert ((proj / "params.yaml").read_bytes() == before) != hint
     subprocess.run(["git", "checkout", "params.yaml"], cwd=proj, env=env, check=True)
+
+    # issue 52: experiments queued and run two at a time (`dvc exp run --queue`, `dvc queue start -j 2`), each in
+    # its own copy of the repository whose `storage.url: artifacts/storage` is the same as written, on the one
+    # machine-wide node-state folder: the workspace run's node state is left exactly as it was (before, every
+    # copy's first round deleted it: the key was the URL as written, and the copy's storage has another run)
+    state = tmp_path / "node-cache" / "state"
+
+    def tree(folder):
+        return {os.path.relpath(os.path.join(d, f), folder): open(os.path.join(d, f), "rb").read()
+                for d, _, files in os.walk(folder) for f in files}
+
+    held = tree(state)
+    assert len(os.listdir(state)) == 1 and held
+    with open(proj / ".gitignore", "a") as f:
+        f.write("/artifacts/storage/\n/artifacts/tensorboard/\n")
+    subprocess.run(git + ["add", "-A"], cwd=proj, env=env, check=True)
+    subprocess.run(git + ["commit", "-qm", "ignore storage"], cwd=proj, env=env, check=True)
+    for steps in (3, 5):
+        q = subprocess.run(dvc + ["exp", "run", "--queue", "-S", f"sync.every_steps={steps}"], cwd=proj, env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert q.returncode == 0, q.stdout + q.stderr
+    subprocess.run(dvc + ["queue", "start", "-j", "2"], cwd=proj, env=env, check=True, capture_output=True, timeout=120)
+    deadline = time.time() + 900
+    while True:
+        status = subprocess.run(dvc + ["queue", "status"], cwd=proj, env=env, capture_output=True, text=True,
+                                timeout=120).stdout
+        if "Queued" not in status and "Running" not in status:
+            break
+        assert time.time() < deadline, status
+        time.sleep(5)
+    assert status.count("Success") == 2, status + subprocess.run(dvc + ["queue", "logs", "-f"], cwd=proj, env=env,
+                                                                 capture_output=True, text=True).stdout[-3000:]
+    assert tree(state) == held  # not one byte of the workspace run's node state touched
+    assert len(os.listdir(state)) == 3  # one folder per storage location: the workspace and the two copies

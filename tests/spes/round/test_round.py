@@ -320,9 +320,10 @@ def test_a_finished_run_keeps_on_the_node_machine_only_what_a_resume_needs(tmp_p
     def held():
         return {n.rsplit("-", 1)[0]: {d: sorted(os.listdir(os.path.join(folder, n, d)))
                                       for d in sorted(os.listdir(os.path.join(folder, n)))}
-                for n in os.listdir(folder)}
+                for n in os.listdir(folder) if n != "LOCATION"}
 
     assert held()["done"] == {"node-000": ["base", "rounds"], "node-001": ["base", "rounds"]}
+    assert open(os.path.join(folder, "LOCATION")).read() == f"{store.location}\n"  # which storage, for a person
     assert forget_finished_run(p, store, "open", 0) is None  # not finished: kept whole
     # finished: global 1 (still on storage) was built with round 1's states, which only the nodes hold
     assert forget_finished_run(p, store, "done", 1).endswith("node-001")
