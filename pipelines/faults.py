@@ -4,6 +4,9 @@ process (`pipelines/node_worker.py`) or of a `spes-node` deployment worker (`pip
   {"kill": {"round": 2, "node": 1, "after_step": 3}}   SIGKILL once (a marker file makes it fire once)
   {"slow": {"round": 2, "node": 1, "seconds": 5}}        sleep before every step (a straggler)
   {"corrupt": {"round": 2, "node": 0}}                   truncate the node's committed upload once
+  {"poison": {"round": 2, "node": 0, "scale": 1000}}     rewrite its committed shared delta once, scaled
+                                                         (or "nan": true: NaN-filled), manifest and COMMIT
+                                                         made to match: bytes that verify, values that do not
   {"dead": {"node": 2, "from_round": 3}}                 SIGKILL at the first step of every try from that round
                                                          on (a machine gone for good)
 
@@ -21,13 +24,14 @@ from typing import Callable, Optional
 from spes.errors import ConfigError
 
 ENV = "SPES_FAULT_PLAN"
+KINDS = ("kill", "slow", "corrupt", "poison", "dead")
 
 
 class FaultPlan:
     def __init__(self, plan: dict):
-        unknown = set(plan) - {"kill", "slow", "corrupt", "dead"}
+        unknown = set(plan) - set(KINDS)
         if unknown:
-            raise ConfigError(f"{ENV}: unknown fault kinds {sorted(unknown)} (known: kill, slow, corrupt, dead)")
+            raise ConfigError(f"{ENV}: unknown fault kinds {sorted(unknown)} (known: {', '.join(KINDS)})")
         self.plan = plan
 
     @classmethod
@@ -78,3 +82,23 @@ class FaultPlan:
             f = os.path.join(upload_dir, "shared.safetensors")
             with open(f, "r+b") as fh:
                 fh.truncate(os.path.getsize(f) - 64)
+        poison = self._applies("poison", run, r, node)
+        if poison and self._once(f"poison-{run}-r{r}-n{node}"):
+            poison_upload(upload_dir, float(poison.get("scale", 1.0)), bool(poison.get("nan", False)))
+
+
+def poison_upload(upload_dir: str, scale: float, nan: bool) -> None:
+    """Rewrite a committed upload's shared delta (local storage) scaled or NaN-filled, its manifest and COMMIT
+    made to match: what a misbehaving node could commit, which no checksum catches."""
+    import torch
+
+    from spes.storage.store import Store
+    from spes.sync.deltas import SHARED_FILE
+
+    store, rel = Store(os.path.dirname(upload_dir), retries=0), os.path.basename(upload_dir)
+    b = store.read_bundle(rel)
+    files = dict(b.files)
+    files[SHARED_FILE] = {k: (torch.full_like(t, float("nan")) if nan else t * scale) if t.is_floating_point() else t
+                          for k, t in b.files[SHARED_FILE].items()}
+    store.remove(rel)
+    store.write_bundle(rel, files, b.meta)

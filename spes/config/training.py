@@ -113,6 +113,12 @@ class SyncConfig:
     from global r-1 + d. Its own update counts once; others' experts take their committed values one round
     late. The committed globals are the same protocol as without overlap (spes/round/inputs.py)."""
 
+    max_delta_norm_ratio: Optional[float] = None
+    """For runs with nodes one does not fully control: an upload whose delta of an averaged tensor has a norm
+    over this many times the median of the other nodes' deltas of that tensor is set aside, as a damaged
+    upload is (its node re-runs the round, or is left out under the quorum). None = off. Every decoded
+    upload tensor is checked to be finite whatever this is."""
+
     @property
     def total_steps(self) -> int:
         return self.rounds * self.every_steps
@@ -128,6 +134,8 @@ class SyncConfig:
         need(0 <= s.warmup_rounds <= s.rounds, f"sync.warmup_rounds ({s.warmup_rounds}) must be in [0, sync.rounds={s.rounds}]")
         need(s.codec in CODECS, f"sync.codec must be one of {'|'.join(CODECS)}, got {s.codec!r}")
         need(s.int8_block >= 1, f"sync.int8_block must be >= 1, got {s.int8_block}")
+        need(s.max_delta_norm_ratio is None or s.max_delta_norm_ratio > 1,
+             f"sync.max_delta_norm_ratio must be > 1 or null, got {s.max_delta_norm_ratio}")
         need(s.overlap in OVERLAPS, f"sync.overlap must be one of {'|'.join(OVERLAPS)}, got {s.overlap!r}")
         need(s.overlap == "none" or not s.average_optimizer_state,
              "sync.overlap one_round cannot be used with sync.average_optimizer_state: the moments' mean of "

@@ -6,6 +6,7 @@ hook in a merging round.
 from __future__ import annotations
 
 import contextlib
+import statistics
 from typing import Optional
 
 import torch
@@ -167,7 +168,22 @@ class RoundAttempt:
             if t.dtype != dtype or tuple(t.shape) != tuple(want):
                 raise BadUpload(i, f"{rdr.where}: {part} is {t.dtype} {tuple(t.shape)}, the {self.codec.name} "
                                    f"codec expects {dtype} {tuple(want)}")
+        if not bool(torch.isfinite(self.codec.decode(name, parts, shape)).all()):  # values are checked too
+            raise BadUpload(i, f"{rdr.where}: {name} decodes to non-finite values (NaN or inf)")
         return parts
+
+    def _check_norms(self, name: str, deltas: list[torch.Tensor]) -> None:
+        """sync.max_delta_norm_ratio: a node's delta of `name` far above the other nodes' median is set aside."""
+        k = self.p.sync.max_delta_norm_ratio
+        if k is None or len(deltas) < 2:
+            return
+        norms = [float(torch.linalg.vector_norm(d.double())) for d in deltas]
+        for j, i in enumerate(self.nodes):
+            median = statistics.median(norms[:j] + norms[j + 1:])
+            if median > 0 and norms[j] > k * median:
+                raise BadUpload(i, f"{self.store.url}/{self.layout.node_dir(self.r, i)}: its delta of {name} has "
+                                   f"norm {norms[j]:.4g}, {norms[j] / median:.1f}x the other nodes' median "
+                                   f"{median:.4g} (sync.max_delta_norm_ratio {k:g})")
 
     def _finish(self, i: int, rdr) -> None:
         try:
@@ -179,6 +195,7 @@ class RoundAttempt:
         shape, specs = self.shapes[name], self.outer_specs[name]
         prev_t = prev_model.read(name)
         deltas = [self.codec.decode(name, self._read(i, shared_in[i], name, shape), shape) for i in self.nodes]
+        self._check_norms(name, deltas)
         state = {key: prev_outer.read(key) for key, _, _ in specs} if prev_outer is not None else {}
         change, new_state = self.method.global_change(name, deltas, self.weights, state)
         residual = {name: prev_res.read(name)} if prev_res is not None else None

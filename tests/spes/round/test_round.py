@@ -217,6 +217,71 @@ def test_a_corrupt_committed_upload_is_that_nodes_failure(tmp_path, data):
     assert run.store.read_manifest(run.layout.global_dir(3))["files"][MODEL_FILE]["sha256"] == _reference(tmp_path, data)
 
 
+@pytest.mark.parametrize("poison,ratio,why", [
+    ({"nan": True}, None, r"shared.safetensors: .* decodes to non-finite values \(NaN or inf\)"),
+    ({"scale": 1000.0}, 100.0, r"its delta of .* has norm .*, [0-9.]+x the other nodes' median .*"
+                               r"\(sync.max_delta_norm_ratio 100\)"),
+])
+def test_an_upload_whose_values_do_not_fit_is_set_aside_and_rerun(tmp_path, data, poison, ratio, why):
+    """Bytes that verify (manifest and COMMIT made to match) but values that do not: a NaN-filled delta, or
+    one a thousand times the other node's with sync.max_delta_norm_ratio set. The aggregator sets it aside
+    naming the node, the round and the reason; the node re-runs the round and the run ends bitwise equal."""
+    from pipelines.faults import poison_upload
+
+    p = make_params(tmp_path, max_delta_norm_ratio=ratio)
+    run = start(p)
+    do_round(p, run, data, 1)
+    for i in (0, 1):
+        node_round(RoundContext.build(p, "r", run.store), 2, i, data)
+    poison_upload(str(tmp_path / "s-storage/runs/r/rounds/000002/nodes/000"), poison.get("scale", 1.0),
+                  poison.get("nan", False))
+    with pytest.raises(UploadsRejected, match="node 0: .*nodes/000.*" + why):
+        aggregate_round(RoundContext.build(p, "r", run.store), 2, rerun_rejected=True)
+    node_round(RoundContext.build(p, "r", run.store), 2, 0, data)
+    aggregate_round(RoundContext.build(p, "r", run.store), 2, rerun_rejected=True)
+    do_round(p, run, data, 3)
+    assert run.store.read_manifest(run.layout.global_dir(3))["files"][MODEL_FILE]["sha256"] == _reference(tmp_path, data)
+
+
+def test_a_scaled_upload_is_averaged_in_when_no_bound_is_set(tmp_path, data):
+    """sync.max_delta_norm_ratio is off by default: a large but finite delta is the node's to make."""
+    from pipelines.faults import poison_upload
+
+    p = make_params(tmp_path)
+    run = start(p)
+    for i in (0, 1):
+        node_round(RoundContext.build(p, "r", run.store), 1, i, data)
+    poison_upload(str(tmp_path / "s-storage/runs/r/rounds/000001/nodes/001"), 1000.0, False)
+    assert aggregate_round(RoundContext.build(p, "r", run.store), 1).contributors == [0, 1]
+
+
+def test_the_norm_bound_compares_each_node_with_the_median_of_the_others():
+    """Norms 1, 2, 3 and 40 (4 nodes, bound 10): 40 > 10 x median(1, 2, 3) = 20, set aside; 3 < 10 x
+    median(1, 2, 40) = 20, kept. With three nodes at 1, 1 and 10 and bound 9.5, 10 > 9.5 x 1: set aside."""
+    from types import SimpleNamespace
+
+    from spes.round.attempt import RoundAttempt
+    from spes.round.uploads import BadUpload
+
+    def check(norms, k):
+        a = RoundAttempt.__new__(RoundAttempt)
+        a.p, a.nodes, a.r = SimpleNamespace(sync=SimpleNamespace(max_delta_norm_ratio=k)), list(range(len(norms))), 2
+        a.store, a.layout = SimpleNamespace(url="mem"), SimpleNamespace(node_dir=lambda r, i: f"rounds/{r}/nodes/{i}")
+        deltas = [torch.tensor([n, 0.0]) for n in norms]
+        try:
+            a._check_norms("w", deltas)
+        except BadUpload as e:
+            return e.node, e.msg
+        return None
+
+    node, msg = check([1.0, 2.0, 3.0, 40.0], 10.0)
+    assert node == 3 and "norm 40, 20.0x the other nodes' median 2" in msg
+    assert check([1.0, 2.0, 3.0, 19.0], 10.0) is None
+    assert check([1.0, 1.0, 10.0], 9.5)[0] == 2 and check([1.0, 1.0, 10.0], 10.0) is None
+    assert check([0.0, 0.0, 5.0], 10.0) is None  # others unchanged (median 0): no judgement
+    assert check([1.0, 1000.0], None) is None  # off
+
+
 def test_a_corrupt_upload_is_left_out_under_the_quorum(tmp_path, data):
     p = make_params(tmp_path)
     run = start(p)
