@@ -117,6 +117,9 @@ class DeploymentExecutor(NodeExecutor):
             raise OrchestrationError("orchestration.executor is deployment, but PREFECT_API_URL is not set: node machines "
                               "need a Prefect server they can reach (prefect server start --host 0.0.0.0; export "
                               "PREFECT_API_URL=http://<this machine>:4200/api here and on every node machine)")
+        from pipelines.prefect_api import check_api_access
+
+        check_api_access(os.environ["PREFECT_API_URL"])
 
     def prepare(self, ctx: RoundContext) -> None:
         """The API and the runner of each member of the next round (all nodes before round 0, or while the

@@ -129,6 +129,9 @@ def main() -> None:
     if not os.environ.get("PREFECT_API_URL"):  # else it would serve against a temporary server nobody sees
         raise MissingInput("PREFECT_API_URL is not set; point it at the orchestrator's Prefect server, "
                            "e.g. export PREFECT_API_URL=http://<orchestrator>:4200/api")
+    from pipelines.prefect_api import check_api_access
+
+    check_api_access(os.environ["PREFECT_API_URL"])  # a protected server without the auth string: one line
     nodes = parse_nodes(a.nodes)
     if not nodes and not a.spare:
         raise UsageError("name the nodes this machine holds (--nodes 0,1) and/or --spare")

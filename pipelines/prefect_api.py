@@ -7,6 +7,7 @@ processes. It listens on a free loopback port and keeps its database under PREFE
 """
 from __future__ import annotations
 
+import base64
 import contextlib
 import importlib.util
 import os
@@ -53,10 +54,39 @@ def _drain_prefect_workers() -> None:
             pass
 
 
+AUTH_ENV = "PREFECT_API_AUTH_STRING"
+"""A Prefect server started with PREFECT_SERVER_API_AUTH_STRING answers only clients that send the same
+string (HTTP basic auth): set it on the orchestrator and on every node machine."""
+
+
+def check_api_access(url: str) -> None:
+    """One authenticated call to the API (the health probe is open even on a protected server): a 401 or a
+    server that does not answer is one line naming the setting to fix, not a traceback inside the flow."""
+    req = urllib.request.Request(f"{url.rstrip('/')}/admin/version")
+    secret = os.environ.get(AUTH_ENV)
+    if secret:
+        req.add_header("Authorization", "Basic " + base64.b64encode(secret.encode()).decode())
+    try:
+        with urllib.request.urlopen(req, timeout=10):
+            return
+    except urllib.error.HTTPError as e:
+        if e.code == 401:
+            raise OrchestrationError(
+                f"the Prefect API at {url} answered 401 Unauthorized: "
+                + (f"it refused this machine's {AUTH_ENV}; set it to the server's PREFECT_SERVER_API_AUTH_STRING"
+                   if secret else f"the server requires an auth string; set {AUTH_ENV} on this machine to its "
+                   "PREFECT_SERVER_API_AUTH_STRING")) from None
+        raise OrchestrationError(f"the Prefect API at {url} answered {e.code} {e.reason} to /admin/version") from None
+    except (urllib.error.URLError, ConnectionError, OSError) as e:
+        raise OrchestrationError(f"the Prefect API at {url} does not answer ({getattr(e, 'reason', e)}); check "
+                                 "PREFECT_API_URL and that the server runs") from None
+
+
 @contextlib.contextmanager
 def prefect_api(startup_timeout_s: float = 180.0) -> Iterator[str]:
     """Yield the API URL; a server started here is stopped on exit (and dies with this process)."""
     if os.environ.get("PREFECT_API_URL"):
+        check_api_access(os.environ["PREFECT_API_URL"])  # before the lease and any round
         yield os.environ["PREFECT_API_URL"]
         return
     # where prefect lives, without importing it: its settings are read at import, after PREFECT_API_URL is set
