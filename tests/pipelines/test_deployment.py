@@ -150,6 +150,13 @@ def test_deployment_resume_from_uncommitted_round_fails_clearly(served):
     res = deployment_run(served, "run_name=dep-bad", "resume_round=7")
     assert res.returncode == 1 and "Failed" in res.stdout
     assert "round 7 is not committed (committed: [0])" in (root / "serve.log").read_text()
+    # the same refusal said where the command was typed: the final state's message as one line
+    resumed = subprocess.run([sys.executable, "-m", "pipelines.resume", "--run", "dep-bad", "--round", "7"], cwd=ROOT,
+                             env=served[1], capture_output=True, text=True, timeout=300)
+    last = [line for line in resumed.stderr.splitlines() if line.strip()]
+    assert resumed.returncode == 1 and len(last) == 1, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert last[0].startswith("resume: OrchestrationError: flow run ") and last[0].endswith(
+        "ended Failed: ProtocolError: run 'dep-bad': round 7 is not committed (committed: [0])"), last
 
 
 @pytest.mark.slow
