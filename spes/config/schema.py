@@ -114,6 +114,9 @@ class Params:
             except OwnershipError as e:
                 key = "sync.ownership" if s.ownership is not None else "model.num_experts / sync.num_nodes"
                 raise ConfigError(f"{key}: {e}") from None
+        need(self.outer.experts == "owner" or s.method == "spes",
+             f"outer.experts: nesterov is for sync.method spes (the other methods average every tensor), got "
+             f"method {s.method!r}")
         need(self.outer.shared == "average" or s.method == "spes",
              f"outer.shared: nesterov is for sync.method spes (diloco always takes its outer step; "
              f"{s.method} averages), got method {s.method!r}")

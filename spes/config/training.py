@@ -11,6 +11,7 @@ from spes.config.choices import (
     ACTIVATION_CHECKPOINTING,
     AUTOCAST_DTYPES,
     CODECS,
+    EXPERT_OUTER,
     FROZEN_DTYPES,
     METHODS,
     NODE_PARALLEL,
@@ -195,6 +196,11 @@ class OuterConfig:
     """spes only: how the nodes' deltas of the shared parameters become the global's change: 'average' (the
     paper: their mean) or 'nesterov' (DiLoCo's outer SGD step on their mean, with lr, momentum and nesterov
     below; experts still come from their owners)."""
+    experts: str = "owner"
+    """spes only: how each expert's delta from its owner becomes the global's change: 'owner' (the paper: the
+    owner's delta as is) or 'nesterov' (the same outer SGD step as outer.shared's, on each expert's rows, with a
+    momentum buffer per expert tensor kept beside the global; an expert that changes owner keeps its rows of
+    it; rows whose owner is absent from a round keep their value and their momentum)."""
     lr: float = 0.7
     """The outer learning rate: DiLoCo's SGD (0.7), spes with shared nesterov, FedAdam's Adam (there about
     1e-2..1e-1: Adam's steps are normalised, 0.7 is far too large)."""
@@ -209,6 +215,7 @@ class OuterConfig:
     def validate(self) -> None:
         o = self
         need(o.shared in SHARED_OUTER, f"outer.shared must be {'|'.join(SHARED_OUTER)}, got {o.shared!r}")
+        need(o.experts in EXPERT_OUTER, f"outer.experts must be {'|'.join(EXPERT_OUTER)}, got {o.experts!r}")
         need(o.lr > 0, f"outer.lr must be > 0, got {o.lr}")
         need(0.0 <= o.momentum < 1.0, f"outer.momentum must be in [0, 1), got {o.momentum}")
         need(0.0 <= o.beta2 < 1.0, f"outer.beta2 must be in [0, 1), got {o.beta2}")

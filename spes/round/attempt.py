@@ -61,6 +61,8 @@ class RoundAttempt:
         self.owners = membership.owners
         self.alpha = method.merge_alpha(r * p.sync.every_steps, prev_meta.model_config["num_experts"])
         self.merging = self.alpha > 0
+        self.expert_outer = method.has_expert_outer_step
+        self.rewrite_experts = self.merging or self.expert_outer  # the delta carries experts of its own
         self.shapes = _shapes(prev["files"][MODEL_FILE])
         self.feedback = p.sync.error_feedback and not codec.exact
 
@@ -86,8 +88,9 @@ class RoundAttempt:
         averaged = {n: sh for n, sh in self.shapes.items() if self.method.is_averaged(n)}
         expert_names = {n: sh for n, sh in self.shapes.items() if n not in averaged}
         owners = [j for j in sorted(self.owners) if self.merging or j in self.uploads] if expert_names else []
-        self.outer_specs = {n: self.method.outer_state_specs(n, averaged[n]) for n in sorted(averaged)}
-        outer_flat = [spec for n in sorted(averaged) for spec in self.outer_specs[n]]
+        self.outer_specs = {n: self.method.outer_state_specs(n, averaged[n]) if n in averaged
+                            else self.method.expert_state_specs(n, expert_names[n]) for n in sorted(self.shapes)}
+        outer_flat = [spec for n in sorted(self.shapes) for spec in self.outer_specs[n]]
         self.new_model: dict[str, torch.Tensor] = {}
         delta = BundleWriter(self.store, self.layout.delta_dir(self.r))
         glob = BundleWriter(self.store, self.layout.global_dir(self.r))
@@ -105,13 +108,13 @@ class RoundAttempt:
             w_shared = st.enter_context(delta.stream(SHARED_FILE, encoded_specs(self.codec, averaged)))
             w_experts = {j: st.enter_context(delta.stream(experts_file(j), encoded_specs(
                 self.codec, {n: (len(self.rows(j)), *sh[1:]) for n, sh in expert_names.items()})))
-                for j in owners} if self.merging else {}
+                for j in owners} if self.rewrite_experts else {}
             for group in self._groups(sorted(self.shapes), averaged):
                 if group[0] in averaged:
                     self._averaged(group[0], prev_model, prev_outer, prev_res, shared_in, w_model, w_outer, w_res,
                                    w_shared)
                 else:
-                    self._experts(group, prev_model, experts_in, w_model, w_experts)
+                    self._experts(group, prev_model, prev_outer, experts_in, w_model, w_outer, w_experts)
             for i, rdr in list(shared_in.items()) + list(experts_in.items()):
                 self._finish(i, rdr)
             if self.p.sync.average_optimizer_state:
@@ -119,7 +122,7 @@ class RoundAttempt:
         expert_files = {}
         for j in owners:
             ref = ExpertRef(rows=self.rows(j))
-            if not self.merging:  # the owner's upload is the delta of its rows: refer to it, copy nothing
+            if not self.rewrite_experts:  # the owner's upload is the delta of its rows: refer to it, copy nothing
                 entry = self.uploads[j]["files"][EXPERTS_FILE]
                 ref = ExpertRef(self.rows(j), self.layout.node_dir(self.r, j), EXPERTS_FILE, entry["sha256"],
                                 entry["bytes"])
@@ -209,18 +212,18 @@ class RoundAttempt:
         if w_res is not None:
             w_res.write(name, new_res)
 
-    def _experts(self, group, prev_model, experts_in, w_model, w_experts):
+    def _experts(self, group, prev_model, prev_outer, experts_in, w_model, w_outer, w_experts):
         prevs = {n: prev_model.read(n) for n in group}
         shapes = {n: self.shapes[n] for n in group}
         up = {n: {} for n in group}  # name -> node -> parts, read in file order
         for n in group:
             for i in self.nodes:
                 up[n][i] = self._read(i, experts_in[i], n, (len(self.rows(i)), *shapes[n][1:]))
-        if self.merging:  # the method's hook, on the layer's experts as their owners trained them
-            target = {n: add_decoded_rows(prevs[n], [(self.rows(i), up[n][i]) for i in self.nodes], self.codec, n)
-                      for n in group}
-            merged = self.method.merge(target, self.alpha)
-            send = {n: {j: self.codec.encode(n, (merged[n] - prevs[n])[self.rows(j)]) for j in w_experts} for n in group}
+        if self.rewrite_experts:
+            target = {n: self._expert_target(n, prevs[n], up[n], prev_outer, w_outer) for n in group}
+            if self.merging:  # the method's hook, on the layer's experts as their owners trained them
+                target = self.method.merge(target, self.alpha)
+            send = {n: {j: self.codec.encode(n, (target[n] - prevs[n])[self.rows(j)]) for j in w_experts} for n in group}
         else:
             send = up
         for n in group:
@@ -229,6 +232,24 @@ class RoundAttempt:
                     w_experts[j].write(part, send[n][j][part])
             owners = sorted(send[n])  # sorted, like apply_delta on the nodes: the same bits
             self._put(w_model, n, add_decoded_rows(prevs[n], [(self.rows(j), send[n][j]) for j in owners], self.codec, n))
+
+    def _expert_target(self, name: str, prev: torch.Tensor, parts: dict, prev_outer, w_outer) -> torch.Tensor:
+        """Expert tensor `name` after its owners' deltas, through the method's outer step on experts when it
+        has one (its state read and written in name order, beside the averaged tensors')."""
+        owned = [(self.rows(i), parts[i]) for i in self.nodes]
+        if not self.expert_outer:
+            return add_decoded_rows(prev, owned, self.codec, name)
+        delta = torch.zeros_like(prev)
+        for rows, p in owned:
+            delta[rows] = self.codec.decode(name, p, (len(rows), *prev.shape[1:]))
+        present = torch.tensor(sorted(r for rs, _ in owned for r in rs), dtype=torch.long)
+        specs = self.outer_specs[name]
+        state = {key: prev_outer.read(key) for key, _, _ in specs} if prev_outer is not None else {}
+        change, new_state = self.method.expert_change(name, delta, present, state)
+        if w_outer is not None:
+            for key, _, _ in specs:
+                w_outer.write(key, new_state[key])
+        return prev + (change if change is not None else delta)
 
     def _put(self, w_model, name: str, t: torch.Tensor) -> None:
         w_model.write(name, t)

@@ -44,7 +44,7 @@ ADDED_LATER: dict[str, Any] = {"train.optim.schedule": "cosine", "train.optim.de
                                "dense.optim.schedule": "cosine", "dense.optim.decay_fraction": 0.2,
                                "outer.shared": "average", "sync.average_optimizer_state": False,
                                "outer.beta2": 0.99, "outer.eps": 1e-3, "sync.overlap": "none",
-                               "sync.max_delta_norm_ratio": None}
+                               "sync.max_delta_norm_ratio": None, "outer.experts": "owner"}
 """Keys added after fingerprint version 2, each with its neutral value (the behaviour before it existed)."""
 LEGACY_DEFAULTS = {"model.norm_topk_prob": False, "model.qk_norm": "full", "merge.interval": 40,
                    "sync.every_steps": 20, "sync.warmup_rounds": 5, "sync.rounds": 12, "train.optim.lr": 3e-3,

@@ -104,6 +104,20 @@ class SyncMethod(ABC):
         and the state `outer_state_specs` declared, as kept since the last round ({} at first)."""
         return self.outer.step(name, weighted_sum(deltas, weights), state)
 
+    has_expert_outer_step: bool = False
+    """Whether experts take an outer step of the method's (`expert_change`) rather than their owners' deltas."""
+
+    def expert_state_specs(self, name: str, shape: tuple[int, ...]) -> list[Spec]:
+        """The state kept across rounds for expert tensor `name` (E x ...): none when experts take their
+        owners' deltas as they are."""
+        return []
+
+    def expert_change(self, name: str, delta: torch.Tensor, rows: torch.Tensor,
+                      state: dict[str, torch.Tensor]) -> tuple[Optional[torch.Tensor], dict[str, torch.Tensor]]:
+        """(change to expert tensor `name`, its new state) from its owners' deltas (`delta`, E x ..., the rows
+        `rows` present this round); None: the owners' deltas as they are (no rewrite of their rows)."""
+        return None, {}
+
     # -- the merging hook ------------------------------------------------------------------------------
     def merge_alpha(self, step: int, num_experts: int) -> float:
         """The expert-merging alpha applied at sync `step` (0 = no merging this round)."""

@@ -83,6 +83,18 @@ class Spes(SyncMethod):
     def outer_optimizer(self) -> OuterOptimizer:
         return Average() if self.outer_settings.shared == "average" else _outer_sgd(self.outer_settings)
 
+    @property
+    def has_expert_outer_step(self) -> bool:  # type: ignore[override]
+        return self.outer_settings.experts == "nesterov"
+
+    def expert_state_specs(self, name, shape):
+        return _outer_sgd(self.outer_settings).state_specs(name, shape) if self.has_expert_outer_step else []
+
+    def expert_change(self, name, delta, rows, state):
+        if not self.has_expert_outer_step:
+            return None, {}
+        return _outer_sgd(self.outer_settings).step_rows(name, delta, rows, state)
+
     def merge_alpha(self, step: int, num_experts: int) -> float:
         return self.merging.alpha(step, num_experts)
 

@@ -64,3 +64,17 @@ class OuterSGD(OuterOptimizer):
         buf = g.clone() if buf is None else buf * self.momentum + g
         update = g + self.momentum * buf if self.nesterov else buf
         return -self.lr * update, {name: buf}
+
+    def step_rows(self, name: str, delta: torch.Tensor, rows: torch.Tensor,
+                  state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The step on rows `rows` (dim 0) of a tensor whose rows have owners (experts: E x ...): the other
+        rows change by 0 and keep their momentum; a row's buffer stays with the row, whoever trains it."""
+        sub = {name: state[name][rows]} if name in state else {}
+        change_rows, sub_state = self.step(name, delta[rows], sub)
+        change = torch.zeros_like(delta)
+        change[rows] = change_rows
+        if not sub_state:
+            return change, {}
+        buf = state[name].clone() if name in state else torch.zeros_like(delta)
+        buf[rows] = sub_state[name]
+        return change, {name: buf}

@@ -23,6 +23,8 @@ def test_the_embedded_default_validates_and_round_trips():
     ("sync.method=gossip", "sync.method"),
     ("outer.shared=adam", "outer.shared"),
     ("outer.shared=nesterov sync.method=fedavg", "outer.shared: nesterov is for sync.method spes"),
+    ("outer.experts=adam", "outer.experts"),
+    ("outer.experts=nesterov sync.method=diloco", "outer.experts: nesterov is for sync.method spes"),
     ("orchestration.min_nodes=5", "orchestration.min_nodes"),
     ("train.optim.lr=-1", "train.optim.lr"),
     ("train.optim.lr=0", "train.optim.lr"),

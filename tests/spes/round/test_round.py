@@ -138,6 +138,65 @@ def test_spes_with_an_outer_nesterov_step_on_the_shared_parameters_exact(tmp_pat
     assert run.global_meta(2).method == "spes"
 
 
+@pytest.mark.parametrize("merge", [False, True])
+def test_spes_with_the_outer_nesterov_step_on_experts_too_exact(tmp_path, data, caplog, merge):
+    """outer.experts nesterov (with outer.shared nesterov): each expert tensor takes the same outer SGD step
+    on its owners' deltas, its momentum buffer (E x ...) kept beside the global across rounds; the shared
+    tensors as with outer.shared alone. Two rounds by hand; the nodes rebuild each global from the delta
+    (no whole download). With merging on, the layer is merged after the step (round 2 merges)."""
+    import logging
+
+    from spes.run.layout import OUTER_FILE
+    from spes.sync.merging import merge_experts
+    from spes.sync.outer import OuterSGD
+
+    p = make_params(tmp_path)
+    p.outer.shared, p.outer.experts, p.merge.enabled = "nesterov", "nesterov", merge
+    p.validate()
+    run = start(p)
+    bufs: dict = {}
+    sgd = OuterSGD(0.7, 0.9, True)
+    with caplog.at_level(logging.WARNING):
+        for r in (1, 2, 3):
+            do_round(p, run, data, r)
+            ups = [run.store.read_bundle(run.layout.node_dir(r, i)).files for i in (0, 1)]
+            prev, new = _global(run, r - 1), _global(run, r)
+            outer = run.store.read_bundle(run.layout.global_dir(r)).files[OUTER_FILE]
+            want = {}
+            for name, t in prev.items():
+                if ".experts." in name:
+                    delta = torch.zeros_like(t)
+                    delta[0:2], delta[2:4] = ups[0][EXPERTS_FILE][name], ups[1][EXPERTS_FILE][name]
+                    state = {name: bufs[name]} if name in bufs else {}
+                    change, state = sgd.step_rows(name, delta, torch.arange(4), state)
+                else:
+                    mean = weighted_sum([ups[0][SHARED_FILE][name], ups[1][SHARED_FILE][name]], [0.5, 0.5])
+                    change, state = sgd.step(name, mean, {name: bufs[name]} if name in bufs else {})
+                bufs[name] = state[name]
+                want[name] = t + change
+                assert torch.equal(outer[name], bufs[name]), name
+            alpha = run.global_meta(r).merge_alpha
+            if alpha:  # merged after the step; the global takes prev + (merged - prev), as the nodes add it
+                merged = merge_experts(want, alpha, p.merge.top_k)
+                want = {n: prev[n] + (merged[n] - prev[n]) if ".experts." in n else want[n] for n in want}
+            assert merge == bool(alpha) or r != 2
+            for name in want:
+                assert torch.equal(new[name], want[name]), (r, name)
+    assert "differs from the committed one" not in caplog.text and "unusable" not in caplog.text
+
+
+def test_an_expert_row_whose_owner_is_absent_keeps_its_value_and_momentum():
+    from spes.sync.outer import OuterSGD
+
+    sgd = OuterSGD(0.7, 0.9, True)
+    buf = torch.tensor([[1.0], [2.0], [3.0]])
+    change, state = sgd.step_rows("w", torch.tensor([[0.5], [9.0], [-1.0]]), torch.tensor([0, 2]), {"w": buf})
+    g = torch.tensor([[-0.5], [1.0]])
+    b = buf[[0, 2]] * 0.9 + g
+    assert torch.equal(change[[0, 2]], -0.7 * (g + 0.9 * b)) and change[1].item() == 0.0
+    assert torch.equal(state["w"][[0, 2]], b) and state["w"][1].item() == 2.0
+
+
 def test_fedadam_keeps_two_moments_per_tensor_beside_the_global_exact(tmp_path, data):
     """A method with two state tensors per parameter (FedAdam) runs through the unchanged aggregator: every
     tensor is prev + Adam's step on the nodes' mean delta, its moments and step stored in outer.safetensors

@@ -42,6 +42,20 @@ def test_fedadams_settings_leave_earlier_runs_fingerprints_alone():
     assert fingerprint_of(older) != settings_fingerprint(p)
 
 
+def test_keys_added_with_the_outer_step_on_experts_and_the_upload_bound_leave_earlier_fingerprints_alone():
+    """outer.experts and sync.max_delta_norm_ratio came later: at their neutral values a run written before
+    them hashes the same; set, they make another run."""
+    p = Params()
+    older = to_dict(p)
+    del older["outer"]["experts"], older["sync"]["max_delta_norm_ratio"]
+    assert fingerprint_of(older) == settings_fingerprint(p)
+    p.outer.experts = "nesterov"
+    assert fingerprint_of(older) != settings_fingerprint(p)
+    q = Params()
+    q.sync.max_delta_norm_ratio = 100.0
+    assert fingerprint_of(older) != settings_fingerprint(q)
+
+
 def test_a_run_from_before_fingerprint_versions_stays_resumable(tmp_path):
     """Such a run hashed only what differed from the schema defaults of its time."""
     p = Params()
