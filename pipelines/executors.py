@@ -41,6 +41,8 @@ class NodeExecutor(ABC):
     for one round at a time (with a deadline), closed."""
 
     name: str
+    nodes_here: bool = False
+    """Whether the nodes run on this machine (their cache and state folders are then checked here)."""
 
     def preflight(self, p: Params) -> None:
         """At the stage's start, before the Prefect server or any node: what is wrong with the settings."""
@@ -72,6 +74,7 @@ class NodeExecutor(ABC):
 
 class ProcessExecutor(NodeExecutor):
     name = "process"
+    nodes_here = True
 
     def start(self, ctx: RoundContext) -> None:
         POOL.start(range(ctx.method.nodes))  # no-op for processes already started (stages.rounds)

@@ -70,7 +70,7 @@ def spes_training(params_path: str = "params.yaml", overrides: Optional[list[str
     if stage not in STAGES:
         raise ConfigError(f"stage must be one of {STAGES}, got {stage!r}")
     p = load_params(params_path, list(overrides or []) + ([f"orchestration.run_name={run_name}"] if run_name else []))
-    check_local_paths(p)  # a deployment run reads its settings here: checked before the lease, as a stage's
+    check_local_paths(p, executor_for(p).nodes_here)  # a deployment run reads its settings here: before the lease
     run = p.orchestration.run_name
     if not run_name:
         _rename_flow_run(run, stage, resume_round)

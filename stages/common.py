@@ -20,7 +20,9 @@ def parse(description: str, stages: tuple[str, ...] = ()) -> tuple[argparse.Name
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the params file, e.g. sync.rounds=12")
     a = ap.parse_intermixed_args()  # overrides anywhere on the line, as OmegaConf/Hydra users expect
     p = load_params(a.params, a.overrides)  # a ConfigError ends the stage in one line (run)
-    check_local_paths(p)  # before anything is written
+    from pipelines.executors import executor_for
+
+    check_local_paths(p, executor_for(p).nodes_here)  # before anything is written
     return a, p
 
 

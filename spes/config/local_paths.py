@@ -3,7 +3,8 @@ file, or a folder that cannot be made (`/proc/x`, a read-only mount), is one `co
 key, not a traceback after the lease was taken and round 0 committed.
 
 Settings are checked only where they are used: the node's cache and state folders name the node machines'
-folders, so they are checked here only when this machine runs the nodes (the process executor).
+folders, so they are checked here only when this machine runs the nodes (the caller says: its executor
+knows, pipelines/executors.py).
 """
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from spes.config.schema import Params
 from spes.errors import ConfigError
 
 
-def local_path_settings(p: Params) -> list[tuple[str, str]]:
-    """(key, folder) for each setting of `p` naming a folder on this machine."""
+def local_path_settings(p: Params, nodes_here: bool = True) -> list[tuple[str, str]]:
+    """(key, folder) for each setting of `p` naming a folder on this machine (the nodes' too, `nodes_here`)."""
     o = p.orchestration
     out = [("artifacts_dir", p.artifacts_dir)]
     if o.tensorboard_dir is not None:
@@ -24,7 +25,7 @@ def local_path_settings(p: Params) -> list[tuple[str, str]]:
     url = p.storage.url
     if "://" not in url or url.startswith("file://"):
         out.append(("storage.url", url.removeprefix("file://")))
-    if o.executor == "process":
+    if nodes_here:
         out.append(("orchestration.node_cache_dir", o.node_cache_dir))
         if o.node_state_dir is not None:
             out.append(("orchestration.node_state_dir", o.node_state_dir))
@@ -48,6 +49,6 @@ def check_folder(key: str, folder: str) -> None:
         raise ConfigError(f"{key}: {folder} cannot be written ({e.strerror or e} in {parent})") from None
 
 
-def check_local_paths(p: Params) -> None:
-    for key, folder in local_path_settings(p):
+def check_local_paths(p: Params, nodes_here: bool = True) -> None:
+    for key, folder in local_path_settings(p, nodes_here):
         check_folder(key, folder)

@@ -122,14 +122,13 @@ def read_inputs(ctx: RoundContext, r: int, node: int, from_checkpoint: bool = Fa
     # its own experts' rows in the delta are the bytes it uploaded last: no need to download them back
     own_cached = {experts_file(node): (state.experts_sha256, state.experts_upload)} \
         if state is not None and state.experts_upload else None
-    held_base = HeldBase(local)  # the chain to global r-1 starts from it, an overlapped start too
-    held, load_held = held_base.mark, held_base.load
+    held = HeldBase(local)  # the chain to global r-1 starts from it, an overlapped start too
     want = prev_manifest["files"][MODEL_FILE]["sha256"]
     if held_prev is not None and held_prev.sha256 == want:
         prev, prev_sha = held_prev.tensors, want
     else:
-        prev, prev_sha = fetch_global(store, layout, r - 1, prev_manifest, ctx.codec, ctx.method, held,
-                                      load_held, own_cached)
+        prev, prev_sha = fetch_global(store, layout, r - 1, prev_manifest, ctx.codec, ctx.method, held.mark,
+                                      held.load, own_cached)
     owned = tuple(membership.owners[node])
     if state is not None and state.owned is not None and state.owned != owned:
         gave, took = sorted(set(state.owned) - set(owned)), sorted(set(owned) - set(state.owned))
@@ -137,16 +136,16 @@ def read_inputs(ctx: RoundContext, r: int, node: int, from_checkpoint: bool = Fa
                     f"; gave away {gave}" if gave else "",
                     f"; took over {took}, which start with a fresh optimizer state" if took else "")
     position = state.data_position if state is not None else (r - 1) * p.sync.every_steps
-    start = _start_model(ctx, r, node, state, owned, prev, held, load_held, known)
+    start = _start_model(ctx, r, node, state, owned, prev, held, known)
     # kept here after the start is built: an overlapped start may read the global held before it
-    if held_base.mark != (r - 1, prev_sha) and local.save_base(r - 1, prev) != prev_sha:
+    if held.mark != (r - 1, prev_sha) and local.save_base(r - 1, prev) != prev_sha:
         raise StorageError(f"node {node}: global {r - 1} as held here does not hash to the committed {prev_sha[:12]}")
     return RoundInputs(prev, prev_sha, prev_meta.model_config, state, ref, local, owned, membership.slots[node],
                        position, start)
 
 
 def _start_model(ctx: RoundContext, r: int, node: int, state: Optional[NodeState], owned: tuple[int, ...],
-                 prev: dict, held, load_held, known: dict[int, HeldGlobal]) -> dict:
+                 prev: dict, held: HeldBase, known: dict[int, HeldGlobal]) -> dict:
     """The model round r trains from: global r-1, or with sync.overlap the node's own model after round r-1
     (the global its delta of round r-1 was taken against, plus that delta)."""
     if ctx.p.sync.overlap == "none" or state is None or state.sent is None or state.sent_base is None:
@@ -159,9 +158,9 @@ def _start_model(ctx: RoundContext, r: int, node: int, state: Optional[NodeState
     base = None
     if q in known and known[q].sha256 == sha:
         base = known[q].tensors
-    elif held == (q, sha):
+    elif held.mark == (q, sha):  # (None once a damaged copy was dropped)
         try:
-            base = load_held()
+            base = held.load()
         except IntegrityError:  # the damaged copy is dropped (HeldBase); storage has the committed one
             base = None
     if base is None:  # not held here (another machine, a retry after the held global moved on): from storage

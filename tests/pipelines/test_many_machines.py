@@ -103,6 +103,26 @@ def _ready(api: str, names) -> bool:
     return True
 
 
+def _two_machines_with_a_slow_node_1(cluster, monkeypatch, run: str, seconds: float):
+    """The run's params and init on the bucket, machine A serving node 0, machine B node 1 held `seconds` in
+    each step of the kill round; returns (params file, orchestrator env, A, B) once both deployments are ready."""
+    for k, v in CREDS.items():
+        monkeypatch.setenv(k, v)
+    pfile = _params(cluster["orch"], cluster["endpoint"], "deployment", run)
+    init_run(pfile, run)
+    slow = {"slow": {"run": run, "round": KILL_ROUND, "node": 1, "seconds": seconds}}
+    a = Machine(cluster, "machine-a", "--nodes", "0").start()
+    b = Machine(cluster, "machine-b", "--nodes", "1").start(SPES_FAULT_PLAN=json.dumps(slow))
+    try:
+        _wait_for("node deployments", lambda: _ready(cluster["api"], ["spes-node/spes-node-0", "spes-node/spes-node-1"]),
+                  120, [a.proc, b.proc])
+    except BaseException:
+        a.stop()
+        b.stop()
+        raise
+    return pfile, cluster["env"]("orchestrator"), a, b
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_reference):
     """The same run made with the process executor on one machine (once per session): final global weights."""
@@ -113,18 +133,9 @@ def reference(tiny_reference):
 @pytest.mark.s3
 @pytest.mark.slow
 def test_two_machines_with_one_killed_and_restarted_end_bitwise_equal(cluster, reference, monkeypatch):
-    root, orch, api = cluster["root"], cluster["orch"], cluster["api"]
-    for k, v in CREDS.items():
-        monkeypatch.setenv(k, v)
-    ref_env = cluster["env"]("orchestrator")
-    pfile = _params(orch, cluster["endpoint"], "deployment", "many")
-    init_run(pfile, "many")
-    slow = {"slow": {"run": "many", "round": KILL_ROUND, "node": 1, "seconds": 120}}
-    a = Machine(cluster, "machine-a", "--nodes", "0").start()
-    b = Machine(cluster, "machine-b", "--nodes", "1").start(SPES_FAULT_PLAN=json.dumps(slow))
+    root, orch = cluster["root"], cluster["orch"]
+    pfile, ref_env, a, b = _two_machines_with_a_slow_node_1(cluster, monkeypatch, "many", 120)
     try:
-        _wait_for("node deployments", lambda: _ready(api, ["spes-node/spes-node-0", "spes-node/spes-node-1"]), 120,
-                  [a.proc, b.proc])
         flow, flow_log = _orchestrate(pfile, "many", ref_env, orch)
         store = Store.from_config(load_params(pfile).storage)
         beat = "runs/many/heartbeats/001.json"
@@ -361,17 +372,8 @@ def test_sigterm_stops_the_orchestrator_within_seconds_cancelling_the_node_flow_
     run is cancelled (its host stops that round's work), the committed rounds are kept, and the same command
     ends the run bitwise equal to the uninterrupted one."""
     orch, api = cluster["orch"], cluster["api"]
-    for k, v in CREDS.items():
-        monkeypatch.setenv(k, v)
-    env = cluster["env"]("orchestrator")
-    pfile = _params(orch, cluster["endpoint"], "deployment", "termed")
-    init_run(pfile, "termed")
-    slow = {"slow": {"run": "termed", "round": KILL_ROUND, "node": 1, "seconds": 300}}
-    a = Machine(cluster, "machine-a", "--nodes", "0").start()
-    b = Machine(cluster, "machine-b", "--nodes", "1").start(SPES_FAULT_PLAN=json.dumps(slow))
+    pfile, env, a, b = _two_machines_with_a_slow_node_1(cluster, monkeypatch, "termed", 300)
     try:
-        _wait_for("node deployments", lambda: _ready(api, ["spes-node/spes-node-0", "spes-node/spes-node-1"]), 120,
-                  [a.proc, b.proc])
         flow, flow_log = _orchestrate(pfile, "termed", env, orch)
         store = Store.from_config(load_params(pfile).storage)
         layout = Run(store, "termed").layout

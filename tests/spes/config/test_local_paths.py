@@ -14,10 +14,10 @@ def test_every_local_folder_setting_is_checked_where_it_is_used(tmp_path):
     keys = dict(local_path_settings(p))
     assert keys == {"artifacts_dir": str(tmp_path / "a"), "orchestration.tensorboard_dir": str(tmp_path / "a/tensorboard"),
                     "orchestration.node_cache_dir": "~/.cache/spes"}
-    p.orchestration.executor, p.storage.url = "deployment", f"file://{tmp_path}/s"  # nodes elsewhere: theirs
-    assert dict(local_path_settings(p))["storage.url"] == f"{tmp_path}/s" and "orchestration.node_cache_dir" \
-        not in dict(local_path_settings(p))
-    check_local_paths(p)
+    p.storage.url = f"file://{tmp_path}/s"  # nodes on other machines: their folders are theirs to check
+    assert dict(local_path_settings(p, nodes_here=False))["storage.url"] == f"{tmp_path}/s" and \
+        "orchestration.node_cache_dir" not in dict(local_path_settings(p, nodes_here=False))
+    check_local_paths(p, nodes_here=False)
     assert os.listdir(tmp_path) == []  # nothing left behind by the check
 
 
