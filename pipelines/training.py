@@ -46,7 +46,8 @@ def _flow_run_name() -> str:
 def _flow_run_label(run: str, stage: str, resume_round) -> str:
     """'[<DVC experiment>-]<run>-<stage>[-resume-<K>]'."""
     exp = experiment_label()
-    return (f"{exp}-" if exp else "") + f"{run}-{stage}" + (f"-resume-{resume_round}" if resume_round is not None else "")
+    name = (f"{exp}-" if exp else "") + f"{run}-{stage}"
+    return name + (f"-resume-{resume_round}" if resume_round is not None else "")
 
 
 def _rename_flow_run(run: str, stage: str, resume_round) -> None:

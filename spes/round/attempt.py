@@ -223,7 +223,8 @@ class RoundAttempt:
             target = {n: self._expert_target(n, prevs[n], up[n], prev_outer, w_outer) for n in group}
             if self.merging:  # the method's hook, on the layer's experts as their owners trained them
                 target = self.method.merge(target, self.alpha)
-            send = {n: {j: self.codec.encode(n, (target[n] - prevs[n])[self.rows(j)]) for j in w_experts} for n in group}
+            send = {n: {j: self.codec.encode(n, (target[n] - prevs[n])[self.rows(j)]) for j in w_experts}
+                    for n in group}
         else:
             send = up
         for n in group:
