@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Optional, Union
+import time
+from typing import Iterator, Optional, Union
 
 import numpy as np
 import torch
@@ -45,11 +46,30 @@ def heldout_loss(model: CausalLM, tokens: Union[np.ndarray, TokenSequence], batc
 
 def _with_progress(batches, what: str, windows: int, batch_size: int, seq_len: int):
     print(f"{what}: scoring {windows:,} windows of {seq_len} tokens of the held-out split", file=sys.stderr, flush=True)
-    if not sys.stderr.isatty():
-        return batches
+    total = -(-windows // batch_size)
+    if not sys.stderr.isatty():  # a log, not a terminal: a line every PROGRESS_EVERY_S instead of a bar
+        return progress_lines(batches, what, total)
     from tqdm import tqdm
 
-    return tqdm(batches, total=-(-windows // batch_size), unit="batch", desc=what, leave=False)
+    return tqdm(batches, total=total, unit="batch", desc=what, leave=False)
+
+
+PROGRESS_EVERY_S = 30.0
+"""Where output is a log (DVC, CI, a pipe): how often a long score says how far it is."""
+
+
+def progress_lines(items, what: str, total: int, every_s: float = PROGRESS_EVERY_S, clock=time.monotonic,
+                   out=None) -> Iterator:
+    """`items`, saying on `out` (stderr) how many of `total` are done at least every `every_s` seconds."""
+    out = out if out is not None else sys.stderr
+    t0 = last = clock()
+    for done, item in enumerate(items, 1):
+        yield item
+        now = clock()
+        if now - last >= every_s:
+            print(f"{what}: {done}/{total} batches ({100 * done / max(total, 1):.0f}%), {now - t0:.0f} s", file=out,
+                  flush=True)
+            last = now
 
 
 def heldout_windows(e: EvalConfig, data: TokenData, per_round: bool = False, whole: bool = False) -> np.ndarray:

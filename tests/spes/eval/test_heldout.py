@@ -94,3 +94,17 @@ def test_lm_eval_arc_easy_matches_our_own_loglikelihoods(tmp_path):
     assert res["results"]["arc_easy_local"]["acc,none"] == pytest.approx(np.mean(correct))
     summary = lm_eval_summary(res)
     assert summary["arc_easy_local"]["acc"] == pytest.approx(np.mean(correct))
+
+
+def test_a_long_score_says_how_far_it_is_every_30_s_where_output_is_a_log():
+    """Not a terminal (DVC, CI, a pipe): no bar, a line at least every 30 s (the evaluate stage once ran 11
+    minutes printing three lines)."""
+    import io
+
+    from spes.eval.heldout import progress_lines
+
+    ticks = iter([0.0, 10.0, 31.0, 40.0, 62.0, 95.0, 96.0])  # the start, then after each of six batches
+    out = io.StringIO()
+    assert list(progress_lines(range(6), "evaluate", 6, clock=lambda: next(ticks), out=out)) == list(range(6))
+    assert out.getvalue().splitlines() == ["evaluate: 2/6 batches (33%), 31 s", "evaluate: 4/6 batches (67%), 62 s",
+                                           "evaluate: 5/6 batches (83%), 95 s"]
