@@ -9,6 +9,7 @@ made with the process executor on a single machine (the session's tiny reference
 
 The run over slow links (bench/slow_link.py: node machines in network namespaces) is here too, to share the
 cluster (one Prefect server and one S3 server fewer)."""
+import datetime
 import json
 import os
 import signal
@@ -95,10 +96,15 @@ def _states(root, machine: str) -> list:
     return list((root / machine / ".cache" / "spes" / "state").glob("*/*/node-*"))
 
 
-def _ready(api: str, names) -> bool:
+def _ready(api: str, names, since: float) -> bool:
+    """Every deployment READY and polled since `since` (by the machines just started: an earlier test's
+    machines leave it READY for a while after they stop, and the server then marks it NOT_READY under the
+    orchestrator's feet, which once failed CI's run of the slow-link test)."""
     for name in names:
         d = _api(api, f"/deployments/name/{name}")
-        if d.get("status") != "READY":
+        polled = d.get("last_polled")
+        if d.get("status") != "READY" or not polled or \
+                datetime.datetime.fromisoformat(polled.replace("Z", "+00:00")).timestamp() < since:
             return False
     return True
 
@@ -111,11 +117,12 @@ def _two_machines_with_a_slow_node_1(cluster, monkeypatch, run: str, seconds: fl
     pfile = _params(cluster["orch"], cluster["endpoint"], "deployment", run)
     init_run(pfile, run)
     slow = {"slow": {"run": run, "round": KILL_ROUND, "node": 1, "seconds": seconds}}
+    since = time.time()
     a = Machine(cluster, "machine-a", "--nodes", "0").start()
     b = Machine(cluster, "machine-b", "--nodes", "1").start(SPES_FAULT_PLAN=json.dumps(slow))
     try:
-        _wait_for("node deployments", lambda: _ready(cluster["api"], ["spes-node/spes-node-0", "spes-node/spes-node-1"]),
-                  120, [a.proc, b.proc])
+        _wait_for("node deployments", lambda: _ready(cluster["api"], ["spes-node/spes-node-0", "spes-node/spes-node-1"],
+                                                     since), 120, [a.proc, b.proc])
     except BaseException:
         a.stop()
         b.stop()
@@ -187,12 +194,14 @@ def test_a_node_whose_machine_stays_dead_moves_to_a_spare_from_its_last_checkpoi
     pfile = _params(orch, cluster["endpoint"], "deployment", "spare", spare_deployment="spes-node/spes-node-spare")
     init_run(pfile, "spare")
     slow = {"slow": {"run": "spare", "round": KILL_ROUND, "node": 1, "seconds": 120}}
+    since = time.time()
     a = Machine(cluster, "spare-a", "--nodes", "0").start()
     b = Machine(cluster, "spare-b", "--nodes", "1").start(SPES_FAULT_PLAN=json.dumps(slow))
     c = Machine(cluster, "spare-c", "--spare").start()
     try:
         _wait_for("node deployments", lambda: _ready(api, ["spes-node/spes-node-0", "spes-node/spes-node-1",
-                                                            "spes-node/spes-node-spare"]), 120, [a.proc, b.proc, c.proc])
+                                                            "spes-node/spes-node-spare"], since), 120,
+                  [a.proc, b.proc, c.proc])
         flow, flow_log = _orchestrate(pfile, "spare", cluster["env"]("orchestrator"), orch)
         store = Store.from_config(load_params(pfile).storage)
         beat = "runs/spare/heartbeats/001.json"
@@ -267,10 +276,11 @@ def _run_over(cluster, net, name: str, monkeypatch, during=None):
     orch_env = dict(cluster["env"]("orchestrator"), AWS_ENDPOINT_URL_S3=cluster["endpoint"])
     pfile = _wan_params(orch, name)
     init_run(pfile, name)
+    since = time.time()
     machines = [NetMachine(cluster, net, i).start() for i in range(2)]
     try:
         _wait_for("node deployments over the slow links",
-                  lambda: _ready(api, ["spes-node/spes-node-0", "spes-node/spes-node-1"]), 180,
+                  lambda: _ready(api, ["spes-node/spes-node-0", "spes-node/spes-node-1"], since), 180,
                   [m.proc for m in machines])
         flow, flow_log = _orchestrate(pfile, name, orch_env, orch)
         store = Store.from_config(load_params(pfile).storage)
