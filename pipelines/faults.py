@@ -87,9 +87,9 @@ class FaultPlan:
             poison_upload(upload_dir, float(poison.get("scale", 1.0)), bool(poison.get("nan", False)))
 
 
-def poison_upload(upload_dir: str, scale: float, nan: bool) -> None:
-    """Rewrite a committed upload's shared delta (local storage) scaled or NaN-filled, its manifest and COMMIT
-    made to match: what a misbehaving node could commit, which no checksum catches."""
+def poison_upload(upload_dir: str, scale: float, nan: bool, fname: Optional[str] = None) -> None:
+    """Rewrite a committed upload's shared delta (or its file `fname`; local storage) scaled or NaN-filled, its
+    manifest and COMMIT made to match: what a misbehaving node could commit, which no checksum catches."""
     import torch
 
     from spes.storage.store import Store
@@ -97,8 +97,8 @@ def poison_upload(upload_dir: str, scale: float, nan: bool) -> None:
 
     store, rel = Store(os.path.dirname(upload_dir), retries=0), os.path.basename(upload_dir)
     b = store.read_bundle(rel)
-    files = dict(b.files)
-    files[SHARED_FILE] = {k: (torch.full_like(t, float("nan")) if nan else t * scale) if t.is_floating_point() else t
-                          for k, t in b.files[SHARED_FILE].items()}
+    files, fname = dict(b.files), fname or SHARED_FILE
+    files[fname] = {k: (torch.full_like(t, float("nan")) if nan else t * scale) if t.is_floating_point() else t
+                    for k, t in b.files[fname].items()}
     store.remove(rel)
     store.write_bundle(rel, files, b.meta)

@@ -171,9 +171,14 @@ class RoundAttempt:
             if t.dtype != dtype or tuple(t.shape) != tuple(want):
                 raise BadUpload(i, f"{rdr.where}: {part} is {t.dtype} {tuple(t.shape)}, the {self.codec.name} "
                                    f"codec expects {dtype} {tuple(want)}")
-        if not bool(torch.isfinite(self.codec.decode(name, parts, shape)).all()):  # values are checked too
-            raise BadUpload(i, f"{rdr.where}: {name} decodes to non-finite values (NaN or inf)")
         return parts
+
+    def _check_finite(self, name: str, decoded: dict[int, torch.Tensor], readers: dict) -> None:
+        """Values are checked too, where they are decoded anyway: node i's decoded delta of `name` (or its
+        rows of prev + delta, which are finite exactly when the delta is) must hold no NaN or inf."""
+        for i, t in decoded.items():
+            if not bool(torch.isfinite(t).all()):
+                raise BadUpload(i, f"{readers[i].where}: {name} decodes to non-finite values (NaN or inf)")
 
     def _check_norms(self, name: str, deltas: list[torch.Tensor]) -> None:
         """sync.max_delta_norm_ratio: a node's delta of `name` far above the other nodes' median is set aside."""
@@ -198,6 +203,7 @@ class RoundAttempt:
         shape, specs = self.shapes[name], self.outer_specs[name]
         prev_t = prev_model.read(name)
         deltas = [self.codec.decode(name, self._read(i, shared_in[i], name, shape), shape) for i in self.nodes]
+        self._check_finite(name, dict(zip(self.nodes, deltas)), shared_in)
         self._check_norms(name, deltas)
         state = {key: prev_outer.read(key) for key, _, _ in specs} if prev_outer is not None else {}
         change, new_state = self.method.global_change(name, deltas, self.weights, state)
@@ -219,14 +225,15 @@ class RoundAttempt:
         for n in group:
             for i in self.nodes:
                 up[n][i] = self._read(i, experts_in[i], n, (len(self.rows(i)), *shapes[n][1:]))
-        if self.rewrite_experts:
-            target = {n: self._expert_target(n, prevs[n], up[n], prev_outer, w_outer) for n in group}
-            if self.merging:  # the method's hook, on the layer's experts as their owners trained them
-                target = self.method.merge(target, self.alpha)
-            send = {n: {j: self.codec.encode(n, (target[n] - prevs[n])[self.rows(j)]) for j in w_experts}
-                    for n in group}
-        else:
-            send = up
+        # prev + each owner's delta (through the method's outer step on experts when it has one), checked
+        target = {n: self._expert_target(n, prevs[n], up[n], prev_outer, w_outer, experts_in) for n in group}
+        if not self.rewrite_experts:  # the owners' uploads are the delta: target is what the nodes add up too
+            for n in group:
+                self._put(w_model, n, target[n])
+            return
+        if self.merging:  # the method's hook, on the layer's experts as their owners trained them
+            target = self.method.merge(target, self.alpha)
+        send = {n: {j: self.codec.encode(n, (target[n] - prevs[n])[self.rows(j)]) for j in w_experts} for n in group}
         for n in group:
             for j in sorted(w_experts):
                 for part in sorted(send[n][j]):
@@ -234,15 +241,19 @@ class RoundAttempt:
             owners = sorted(send[n])  # sorted, like apply_delta on the nodes: the same bits
             self._put(w_model, n, add_decoded_rows(prevs[n], [(self.rows(j), send[n][j]) for j in owners], self.codec, n))
 
-    def _expert_target(self, name: str, prev: torch.Tensor, parts: dict, prev_outer, w_outer) -> torch.Tensor:
+    def _expert_target(self, name: str, prev: torch.Tensor, parts: dict, prev_outer, w_outer,
+                       readers: dict) -> torch.Tensor:
         """Expert tensor `name` after its owners' deltas, through the method's outer step on experts when it
         has one (its state read and written in name order, beside the averaged tensors')."""
         owned = [(self.rows(i), parts[i]) for i in self.nodes]
         if not self.expert_outer:
-            return add_decoded_rows(prev, owned, self.codec, name)
+            target = add_decoded_rows(prev, owned, self.codec, name)
+            self._check_finite(name, {i: target[self.rows(i)] for i in self.nodes}, readers)
+            return target
         delta = torch.zeros_like(prev)
         for rows, p in owned:
             delta[rows] = self.codec.decode(name, p, (len(rows), *prev.shape[1:]))
+        self._check_finite(name, {i: delta[self.rows(i)] for i in self.nodes}, readers)
         present = torch.tensor(sorted(r for rs, _ in owned for r in rs), dtype=torch.long)
         specs = self.outer_specs[name]
         state = {key: prev_outer.read(key) for key, _, _ in specs} if prev_outer is not None else {}

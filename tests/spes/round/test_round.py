@@ -278,6 +278,7 @@ def test_a_corrupt_committed_upload_is_that_nodes_failure(tmp_path, data):
 
 @pytest.mark.parametrize("poison,ratio,why", [
     ({"nan": True}, None, r"shared.safetensors: .* decodes to non-finite values \(NaN or inf\)"),
+    ({"nan": True, "fname": EXPERTS_FILE}, None, r"experts.safetensors: .* decodes to non-finite values"),
     ({"scale": 1000.0}, 100.0, r"its delta of .* has norm .*, [0-9.]+x the other nodes' median .*"
                                r"\(sync.max_delta_norm_ratio 100\)"),
 ])
@@ -293,7 +294,7 @@ def test_an_upload_whose_values_do_not_fit_is_set_aside_and_rerun(tmp_path, data
     for i in (0, 1):
         node_round(RoundContext.build(p, "r", run.store), 2, i, data)
     poison_upload(str(tmp_path / "s-storage/runs/r/rounds/000002/nodes/000"), poison.get("scale", 1.0),
-                  poison.get("nan", False))
+                  poison.get("nan", False), poison.get("fname"))
     with pytest.raises(UploadsRejected, match="node 0: .*nodes/000.*" + why):
         aggregate_round(RoundContext.build(p, "r", run.store), 2, rerun_rejected=True)
     node_round(RoundContext.build(p, "r", run.store), 2, 0, data)
