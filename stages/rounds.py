@@ -31,7 +31,7 @@ def main() -> None:
     from spes.config.schema import check_against_model
     from spes.run.identity import InitModel
 
-    check_against_model(p, InitModel.load(init).model_config, init)  # the flow checks again; here it is one line
+    check_against_model(p, InitModel.config_of(init)["model_config"], init)  # the flow checks again; here, one line
     prefect_env_defaults()
     from pipelines.prefect_api import prefect_api
     from spes.round.context import RoundContext

@@ -125,9 +125,10 @@ class InitModel:
     def from_state(cls, tensors: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> "InitModel":
         return cls({k: v.detach().cpu() for k, v in tensors.items()}, dataclasses.asdict(cfg), source)
 
-    @classmethod
-    def load(cls, path: str) -> "InitModel":
-        """The `upcycle` stage's output: `model.safetensors` + `config.json` beside it (checked to match)."""
+    @staticmethod
+    def config_of(path: str) -> dict:
+        """The `config.json` beside the initial model `path` (its model config checked against the schema),
+        read without the tensors: what a check of the settings against the model needs."""
         cfg_path = os.path.join(os.path.dirname(path), "config.json")
         for f in (path, cfg_path):
             if not os.path.exists(f):
@@ -136,9 +137,16 @@ class InitModel:
         try:
             with open(cfg_path) as fh:
                 cfg = json.load(fh)
-            model_config = ModelConfig(**cfg["model_config"])
+            ModelConfig(**cfg["model_config"])
         except (ValueError, KeyError, TypeError) as e:
             raise IntegrityError(f"{cfg_path}: not an initial model's config ({type(e).__name__}: {e})") from None
+        return cfg
+
+    @classmethod
+    def load(cls, path: str) -> "InitModel":
+        """The `upcycle` stage's output: `model.safetensors` + `config.json` beside it (checked to match)."""
+        cfg = cls.config_of(path)
+        model_config = ModelConfig(**cfg["model_config"])
         try:
             tensors = load_file(path)
         except Exception as e:  # not a safetensors file
