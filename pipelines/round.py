@@ -45,7 +45,8 @@ def experiment_label() -> str:
 
 def artifact_key(*parts: Any) -> str:
     """Prefect artifact keys allow lowercase letters, digits and dashes; a DVC experiment's name comes first."""
-    parts = ((experiment_label(),) if experiment_label() else ()) + parts
+    exp = experiment_label()
+    parts = ((exp,) if exp else ()) + parts
     return re.sub(r"[^a-z0-9-]+", "-", "-".join(str(p) for p in parts).lower()).strip("-")
 
 

@@ -71,11 +71,12 @@ def spes_training(params_path: str = "params.yaml", overrides: Optional[list[str
     if stage not in STAGES:
         raise ConfigError(f"stage must be one of {STAGES}, got {stage!r}")
     p = load_params(params_path, list(overrides or []) + ([f"orchestration.run_name={run_name}"] if run_name else []))
-    check_local_paths(p, executor_for(p).nodes_here)  # a deployment run reads its settings here: before the lease
+    executor = executor_for(p)
+    check_local_paths(p, executor.nodes_here)  # a deployment run reads its settings here: before the lease
     run = p.orchestration.run_name
     if not run_name:
         _rename_flow_run(run, stage, resume_round)
-    ctx, executor = open_run(p, run), executor_for(p)
+    ctx = open_run(p, run)
     executor.prepare(ctx)  # before the lease and any round
     if resume_round is not None and ctx.run.info() is None and not ctx.run.committed_rounds():
         raise ProtocolError(f"resume_round={resume_round}: run {run!r} has nothing to resume on "
