@@ -388,6 +388,9 @@ def test_sigterm_stops_the_orchestrator_within_seconds_cancelling_the_node_flow_
         store = Store.from_config(load_params(pfile).storage)
         layout = Run(store, "termed").layout
         _wait_for("node 0's round-2 upload", lambda: store.is_committed(layout.node_dir(KILL_ROUND, 0)), 240, [flow])
+        beat = "runs/termed/heartbeats/001.json"  # node 1's flow run of round 2 running (so registered in flight)
+        _wait_for("node 1 in round 2", lambda: store.exists(beat) and
+                  json.loads(store.read_bytes(beat))["round"] == KILL_ROUND, 240, [flow])
         time.sleep(2)  # node 1 inside its slow step
         t0 = time.time()
         os.kill(flow.pid, signal.SIGTERM)
