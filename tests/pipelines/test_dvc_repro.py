@@ -177,7 +177,11 @@ def test_dvc_repro_end_to_end(tmp_path, prefect_db, prefect_server_for_stages):
         q = subprocess.run(dvc + ["exp", "run", "--queue", "-S", f"sync.every_steps={steps}"], cwd=proj, env=env,
                            capture_output=True, text=True, timeout=120)
         assert q.returncode == 0, q.stdout + q.stderr
-    subprocess.run(dvc + ["queue", "start", "-j", "2"], cwd=proj, env=env, check=True, capture_output=True, timeout=120)
+    # the workers are forked from `dvc queue start` and inherit its stdout: a pipe would stay open (and `run` wait)
+    # until they finish the queue, so their output goes to a file
+    with open(tmp_path / "queue-start.log", "wb") as log:
+        subprocess.run(dvc + ["queue", "start", "-j", "2"], cwd=proj, env=env, check=True, stdout=log, stderr=log,
+                       stdin=subprocess.DEVNULL, timeout=120)
     deadline = time.time() + 900
     while True:
         status = subprocess.run(dvc + ["queue", "status"], cwd=proj, env=env, capture_output=True, text=True,
@@ -186,7 +190,6 @@ def test_dvc_repro_end_to_end(tmp_path, prefect_db, prefect_server_for_stages):
             break
         assert time.time() < deadline, status
         time.sleep(5)
-    assert status.count("Success") == 2, status + subprocess.run(dvc + ["queue", "logs", "-f"], cwd=proj, env=env,
-                                                                 capture_output=True, text=True).stdout[-3000:]
+    assert status.count("Success") == 2, status + (tmp_path / "queue-start.log").read_text(errors="replace")[-3000:]
     assert tree(state / workspace) == held  # not one byte of the workspace run's node state touched
     assert len(os.listdir(state)) == 3  # one folder per storage location: the workspace and the two copies
