@@ -104,19 +104,25 @@ def take(binary: str, url: str, path: str, expect: Optional[str]) -> None:
         raise RuntimeError(f"chromium wrote no picture of {url}")
 
 
-def tensorboard_page(base: str, proc: subprocess.Popen, tags: tuple[str, ...]) -> str:
-    """TensorBoard's scalars dashboard filtered to the loss curves, once its server has read the run's events
-    (it loads them in the background after it answers: a picture taken before would show no chart). The
-    time-series dashboard draws its lines on a canvas that headless Chromium leaves empty; this one is SVG."""
+def tensorboard_pages(base: str, proc: subprocess.Popen, runs: tuple[str, ...]) -> dict[str, str]:
+    """TensorBoard's scalars dashboard filtered to the loss curves (a TensorBoard run per node and the run's
+    global one overlaid) and its images dashboard with the expert-load heat maps, once its server has read
+    every run's events (it loads them in the background after it answers: a picture taken before would show
+    no chart). The time-series dashboard draws its lines on a canvas that headless Chromium leaves empty;
+    the scalars one is SVG."""
+    want = {(f"{run}/global", "loss/heldout") for run in runs} | {(f"{run}/node{i}", "loss/train")
+                                                                   for run in runs for i in (0, 1)}
     deadline = time.time() + 120
     while True:
         wait_http(f"{base}/", 60, proc)
         with urllib.request.urlopen(f"{base}/data/plugin/scalars/tags", timeout=5) as r:
-            found = {tag for run in json.load(r).values() for tag in run}
-        if all(t in found for t in tags):
-            return f"{base}/?darkMode=false#scalars&tagFilter=" + urllib.parse.quote("^(heldout/loss|train/loss/)")
+            found = {(run, tag) for run, tags in json.load(r).items() for tag in tags}
+        if want <= found:
+            return {"tensorboard-scalars": f"{base}/?darkMode=false#scalars&tagFilter=" + urllib.parse.quote("^loss/"),
+                    "tensorboard-expert-load": f"{base}/?darkMode=false#images&tagFilter="
+                    + urllib.parse.quote("^routing/expert_load_layer[01]$")}
         if time.time() > deadline:
-            raise RuntimeError(f"TensorBoard did not load {sorted(set(tags) - found)} within 120 s")
+            raise RuntimeError(f"TensorBoard did not load {sorted(want - found)} within 120 s")
         time.sleep(1)
 
 
@@ -201,8 +207,8 @@ def main() -> None:
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                       start_new_session=True))
         pages = prefect_pages(api, ui)
-        pages["tensorboard-scalars"] = (tensorboard_page(f"http://127.0.0.1:{tb_port}", procs[1],
-                                                         ("heldout/loss", "train/loss/node0", "train/loss/node1")), None)
+        for name, url in tensorboard_pages(f"http://127.0.0.1:{tb_port}", procs[1], (RUN,)).items():
+            pages[name] = (url, None)
         os.makedirs(a.out, exist_ok=True)
         taken = {}
         for name, (url, expect) in pages.items():

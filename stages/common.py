@@ -26,16 +26,20 @@ def parse(description: str, stages: tuple[str, ...] = ()) -> tuple[argparse.Name
     return a, p
 
 
-TIMING_KEYS = ("seconds", "encode_seconds", "tokens_per_s", "round_wall_s_mean", "heldout_s_mean",
-               "orchestration_overhead")
-"""Wall-clock figures: they change on every run and machine, so they go to timings.json, not into the metrics
-that `dvc metrics diff` and `dvc exp show` compare."""
+VARYING_KEYS = ("seconds", "encode_seconds", "tokens_per_s", "round_wall_s_mean", "heldout_s_mean",
+                "orchestration_overhead", "rounds_run_now", "bytes_up_per_node_round", "bytes_down_per_node_round",
+                "storage_bytes")
+"""What one invocation of a stage took, which changes from run to run and machine to machine: wall clock, the
+rounds it ran itself (a resumed or forced one runs fewer), and byte counts that include manifests and records
+(they carry wall times, whose digits vary). They go to invocation.json, neither a DVC output nor in git, so a
+rerun leaves the clone clean; metrics.json holds what the run computed, compared by `dvc metrics diff` and
+`dvc exp show`."""
 
 
 def write_metrics(folder: str, values: dict) -> None:
-    """A stage's numbers: metrics.json (compared across experiments) and timings.json (the wall-clock ones)."""
-    write_json(os.path.join(folder, "metrics.json"), {k: v for k, v in values.items() if k not in TIMING_KEYS})
-    write_json(os.path.join(folder, "timings.json"), {k: v for k, v in values.items() if k in TIMING_KEYS})
+    """A stage's numbers: metrics.json (compared across experiments) and invocation.json (what this invocation took)."""
+    write_json(os.path.join(folder, "metrics.json"), {k: v for k, v in values.items() if k not in VARYING_KEYS})
+    write_json(os.path.join(folder, "invocation.json"), {k: v for k, v in values.items() if k in VARYING_KEYS})
 
 
 def out_dir(p: Params, name: str) -> str:

@@ -1,7 +1,7 @@
 """DVC stage `dense`: short dense pre-training whose HF checkpoint `upcycle` consumes.
 
 Runs only when init.mode=upcycle and no init.dense_checkpoint is named; otherwise records that it was skipped.
-Reads artifacts/tokens; writes artifacts/dense/hf (a Hugging Face checkpoint), artifacts/dense/metrics.json and timings.json.
+Reads artifacts/tokens; writes artifacts/dense/hf (a Hugging Face checkpoint), artifacts/dense/metrics.json and invocation.json.
 Example: python -m stages.dense dense.steps=300
 """
 from __future__ import annotations

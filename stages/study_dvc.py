@@ -109,11 +109,11 @@ def _makes_data(files: list[str], data: str) -> bool:
 
 def _data_stages(preset: str, presets: list[dict], data: str) -> dict:
     def stage(name: str, deps: list[str], out: str, numbers: str = "") -> dict:
-        figures = {"outs": [{f"{data}/{numbers}/timings.json": {"cache": False}}],  # as dvc.yaml's stages
-                   "metrics": [{f"{data}/{numbers}/metrics.json": {"cache": False}}]} if numbers else {"outs": []}
+        # as dvc.yaml's stages: the metrics a DVC output, invocation.json beside them neither that nor in git
+        figures = {"metrics": [{f"{data}/{numbers}/metrics.json": {"cache": False}}]} if numbers else {}
         return {"wdir": "../..", "cmd": f"python -m stages.{name} --params {preset}", "deps": [f"stages/{name}.py", *deps],
                 "params": [*presets, {"params.yaml": ["tokenize", "model", "dense", "init", "data", "eval"]}],
-                **figures, "outs": [f"{data}/{out}", *figures["outs"]]}
+                "outs": [f"{data}/{out}"], **figures}
 
     return {"tokenize": stage("tokenize", ["spes/data"], "tokens", "tokenize"),
             "dense": stage("dense", ["spes/model", "spes/train", f"{data}/tokens"], "dense/hf", "dense"),

@@ -4,7 +4,7 @@ The output is written into a temporary folder beside `artifacts/tokens` and swap
 so an interrupted or failed run leaves the previous tokens (and their tokenizer) as they were.
 
 Reads the corpus (tokenize.corpus / tokenize.dataset; the Python stdlib's source by default); writes
-artifacts/tokens (shards, meta.json, tokenizer.json), artifacts/tokenize/metrics.json and timings.json.
+artifacts/tokens (shards, meta.json, tokenizer.json), artifacts/tokenize/metrics.json and invocation.json.
 Example: python -m stages.tokenize tokenize.corpus='data/*.jsonl.gz'
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ("prefect-flow-run", "prefect-heldout-artifact", "prefect-round-table", "prefect-round-progress",
-         "tensorboard-scalars")
+         "tensorboard-scalars", "tensorboard-expert-load")
 
 
 @pytest.mark.e2e

@@ -83,29 +83,33 @@ def test_dvc_repro_end_to_end(tmp_path, prefect_db, prefect_server_for_stages):
     assert json.load(open(proj / "artifacts/init/metrics.json"))["max_abs_logit_diff_vs_dense"] < 1e-4
     for stage in ("warmup", "train"):
         assert json.load(open(proj / f"artifacts/{stage}/metrics.json"))["rounds_recorded"] == 1
-        assert json.load(open(proj / f"artifacts/{stage}/timings.json"))["round_wall_s_mean"] > 0
+        assert json.load(open(proj / f"artifacts/{stage}/invocation.json"))["round_wall_s_mean"] > 0
     for stage in ("tokenize", "dense", "warmup", "train"):  # wall-clock figures are not compared as metrics
         metrics = json.load(open(proj / f"artifacts/{stage}/metrics.json"))
         assert not [k for k in metrics if "seconds" in k or k.endswith(("_s", "_s_mean", "_per_s", "overhead"))]
+    lock = (proj / "dvc.lock").read_bytes()  # issue 50: a rerun leaves the lock (and so the clone) as it was
     again = subprocess.run(dvc + ["repro"], cwd=proj, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "didn't change" in again.stdout + again.stderr
     # a forced re-run finds its rounds committed: it runs none, reports the committed ones, and its out is
-    # byte for byte the same (timings live in timings.json), so nothing downstream is stale
+    # byte for byte the same (timings live in invocation.json), so nothing downstream is stale
     before = (proj / "artifacts/train/summary.json").read_bytes()
-    assert json.load(open(proj / "artifacts/train/metrics.json"))["rounds_run_now"] == [2]
+    assert json.load(open(proj / "artifacts/train/invocation.json"))["rounds_run_now"] == [2]
     forced = subprocess.run(dvc + ["repro", "-f", "-s", "train"], cwd=proj, env=env, capture_output=True,
                             text=True, timeout=300)
     assert forced.returncode == 0, forced.stdout[-3000:] + forced.stderr[-3000:]
-    assert json.load(open(proj / "artifacts/train/metrics.json"))["rounds_run_now"] == []
+    assert json.load(open(proj / "artifacts/train/invocation.json"))["rounds_run_now"] == []
     assert (proj / "artifacts/train/summary.json").read_bytes() == before
     # re-tokenizing the same corpus, re-training the same dense model give the same bytes (timings live in
-    # timings.json, outside the outs the later stages read), and warmup forced after train committed later
+    # invocation.json, outside the outs the later stages read), and warmup forced after train committed later
     # rounds still describes its own rounds: every stage after them stays up to date (one dvc call for the three)
     res = subprocess.run(dvc + ["repro", "-f", "-s", "tokenize", "dense", "warmup"], cwd=proj, env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     status = subprocess.run(dvc + ["status", "--with-deps", "evaluate"], cwd=proj, env=env, capture_output=True, text=True, timeout=120)
     assert "up to date" in status.stdout, status.stdout
+    # the forced tokenize, dense, warmup and train wrote the same metrics and outs: only invocation.json changed
+    assert (proj / "dvc.lock").read_bytes() == lock
+    assert json.load(open(proj / "artifacts/warmup/invocation.json"))["rounds_run_now"] == []
     warm_metrics = json.load(open(proj / "artifacts/warmup/metrics.json"))
     assert warm_metrics["last_round"] == 1 and warm_metrics["rounds_recorded"] == 1
     assert not (proj / "artifacts/compare").exists()  # the main pipeline does not run the comparison
