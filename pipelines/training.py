@@ -31,6 +31,7 @@ from spes.run.board import RunBoard, board_dir
 from spes.run.identity import InitModel, fingerprinted, legacy_fingerprint, settings_fingerprint
 from spes.run.lease import RunLease
 from spes.run.records import RoundRecord
+from spes.run.run import Run
 
 STAGES = ("warmup", "train", "all")
 
@@ -143,12 +144,14 @@ class HeldOutCurve:
     """(round, tokens so far, held-out loss) of the run, kept in the flow: the records of earlier rounds are
     read once when the flow starts, then each round adds its own (no per-round rescan of storage)."""
 
-    def __init__(self, earlier: list[RoundRecord]):
+    def __init__(self, run: Run, first: int):
         self.points: list[tuple[int, int, float]] = []
         self.node_points: dict[int, list[tuple[int, float]]] = {}
         """node -> (tokens so far, its mean train loss of the round), each round it trained."""
         self.tokens = 0
-        for rec in earlier:
+        self.earlier = run.records(1, first - 1)
+        """The records read once at the flow's start (the TensorBoard writer continues from them too)."""
+        for rec in self.earlier:
             self.add(rec)
 
     def add(self, rec: RoundRecord) -> bool:
@@ -189,9 +192,8 @@ def _run_rounds(ctx: RoundContext, executor: NodeExecutor, lease: RunLease, stag
     progress = create_progress_artifact(progress=100.0 * (first - 1) / p.sync.rounds,
                                         key=artifact_key(run.name, "progress"),
                                         description=f"rounds committed of {p.sync.rounds}")
-    earlier = run.records(1, first - 1)
-    curve = HeldOutCurve(earlier)
-    board = RunBoard(p, run.name, earlier) if board_dir(p, run.name) and first <= last else None
+    curve = HeldOutCurve(run, first)
+    board = RunBoard(p, run.name, curve.earlier) if board_dir(p, run.name) and first <= last else None
     rounds = []
     bar = _round_bar(run.name, stage, first, last)
     for r in range(first, last + 1):

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from typing import Optional
 
 from pipelines.node_pool import spawn
 from pipelines.prefect_api import check_api_access, free_port
@@ -60,51 +61,15 @@ def main() -> None:
     ap.add_argument("--exit", action="store_true", help="stop the servers when the run ends")
     ap.add_argument("overrides", nargs="*", help="key=value settings over params.yaml's")
     a = ap.parse_args()
-    from spes.config.loader import load_params
-    from spes.config.local_paths import check_local_paths
-    from spes.config.schema import check_against_model
-    from spes.run.board import board_dir
-    from spes.run.identity import InitModel
-
     overrides = _settings(a)
-    p = load_params(a.params, overrides)  # every setting checked before a server starts
-    init = os.path.join(p.artifacts_dir, "init", "model.safetensors")
-    if not os.path.exists(init):
-        raise MissingInput(f"{init} does not exist: make the tokens and the initial model first (dvc repro upcycle)")
-    check_against_model(p, InitModel.config_of(init)["model_config"], init)
-    from pipelines.executors import executor_for
+    p, init = _checked(a.params, overrides)  # every setting checked before a server starts
+    from spes.run.board import board_dir
 
-    check_local_paths(p, executor_for(p).nodes_here)
     run = p.orchestration.run_name
-    procs = []
-    api = os.environ.get("PREFECT_API_URL")
-    prefect_server = None
-    if api:
-        check_api_access(api)
-        ui = os.environ.get("PREFECT_UI_URL") or api.removesuffix("/api")
-    else:
-        port = free_port()
-        ui, api = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port}/api"
-        env = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_API_URL=api,
-                   PREFECT_SERVER_UI_API_URL=api)
-        prefect_server = spawn([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
-                                str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)
-        procs.append(prefect_server)
-    tb_url = None
-    folder = board_dir(p, run)
-    if folder is not None:
-        tb_port = free_port()
-        tb_url = f"http://127.0.0.1:{tb_port}"
-        os.makedirs(folder, exist_ok=True)
-        procs.append(spawn([sys.executable, "-m", "tensorboard.main", "--logdir", folder, "--host", "127.0.0.1",
-                            "--port", str(tb_port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           start_new_session=True))
+    procs: list[subprocess.Popen] = []
     try:
-        if prefect_server is not None:
-            _wait(f"{api}/health", prefect_server, "the Prefect server")
-        if tb_url:
-            _wait(f"{tb_url}/", procs[-1], "TensorBoard")
+        ui, api = _prefect_server(procs)
+        tb_url = _tensorboard(board_dir(p, run), procs)
         print(f"watch: run {run}, {a.rounds} rounds of {p.sync.every_steps} local steps on {p.sync.num_nodes} nodes", flush=True)
         print(f"watch: Prefect UI  {ui}", flush=True)
         print(f"watch: TensorBoard {tb_url or 'off (orchestration.tensorboard_dir is null)'}", flush=True)
@@ -128,6 +93,53 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 _signal_group(proc, signal.SIGKILL)
                 proc.wait()
+
+
+def _checked(params: str, overrides: list[str]):
+    """The settings and the initial model's path, each checked (one line) before anything starts."""
+    from pipelines.executors import executor_for
+    from spes.config.loader import load_params
+    from spes.config.local_paths import check_local_paths
+    from spes.config.schema import check_against_model
+    from spes.run.identity import InitModel
+
+    p = load_params(params, overrides)
+    init = os.path.join(p.artifacts_dir, "init", "model.safetensors")
+    if not os.path.exists(init):
+        raise MissingInput(f"{init} does not exist: make the tokens and the initial model first (dvc repro upcycle)")
+    check_against_model(p, InitModel.config_of(init)["model_config"], init)
+    check_local_paths(p, executor_for(p).nodes_here)
+    return p, init
+
+
+def _prefect_server(procs: list) -> tuple[str, str]:
+    """(UI URL, API URL): PREFECT_API_URL's server when set, else one started here on loopback, answering."""
+    api = os.environ.get("PREFECT_API_URL")
+    if api:
+        check_api_access(api)
+        return os.environ.get("PREFECT_UI_URL") or api.removesuffix("/api"), api
+    port = free_port()
+    ui, api = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port}/api"
+    env = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_API_URL=api,
+               PREFECT_SERVER_UI_API_URL=api)
+    proc = spawn([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    procs.append(proc)
+    _wait(f"{api}/health", proc, "the Prefect server")
+    return ui, api
+
+
+def _tensorboard(folder: Optional[str], procs: list) -> Optional[str]:
+    """TensorBoard on loopback over the run's events folder, answering; None when the run writes none."""
+    if folder is None:
+        return None
+    port = free_port()
+    os.makedirs(folder, exist_ok=True)
+    proc = spawn([sys.executable, "-m", "tensorboard.main", "--logdir", folder, "--host", "127.0.0.1", "--port",
+                  str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    procs.append(proc)
+    _wait(f"http://127.0.0.1:{port}/", proc, "TensorBoard")
+    return f"http://127.0.0.1:{port}"
 
 
 def _signal_group(proc, sig) -> None:

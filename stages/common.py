@@ -30,8 +30,8 @@ VARYING_KEYS = ("seconds", "encode_seconds", "tokens_per_s", "round_wall_s_mean"
                 "orchestration_overhead", "rounds_run_now", "bytes_up_per_node_round", "bytes_down_per_node_round",
                 "storage_bytes")
 """What one invocation of a stage took, which changes from run to run and machine to machine: wall clock, the
-rounds it ran itself (a resumed or forced one runs fewer), and byte counts that include manifests and records
-(they carry wall times, whose digits vary). They go to invocation.json, neither a DVC output nor in git, so a
+rounds it ran itself (a resumed or forced one runs fewer), and byte counts that include manifests, records
+and heartbeats (they carry wall times, whose digits vary). They go to invocation.json, neither a DVC output nor in git, so a
 rerun leaves the clone clean; metrics.json holds what the run computed, compared by `dvc metrics diff` and
 `dvc exp show`."""
 

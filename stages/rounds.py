@@ -4,8 +4,8 @@
     python -m stages.rounds train      the remaining rounds, from warmup's last committed round
 
 Reads artifacts/init (the upcycle stage's model) and artifacts/tokens; writes the rounds on shared storage
-(storage.url) and artifacts/<stage>/summary.json (what was computed), metrics.json (traffic, counts) and invocation.json
-(wall-clock figures, kept out of the compared metrics).
+(storage.url) and artifacts/<stage>/summary.json (what was computed), metrics.json (the round counts) and
+invocation.json (what this invocation took: wall clock, rounds run now, traffic and storage byte counts).
 Example: python -m stages.rounds train sync.rounds=12
 """
 from __future__ import annotations
@@ -75,11 +75,11 @@ def _write_outputs(p, stage: str, out: dict) -> None:
         values = list(values)
         return sum(values) / len(values) if values else 0.0
 
-    # metrics.json: counts and the uploads' tensor bytes (the same on every rerun); invocation.json: wall clock and
-    # the byte counts with manifests and records in them. A rerun after later rounds exist still describes this
-    # stage's rounds (storage_bytes: the run now)
+    # metrics.json: what the rounds computed (the same on every rerun); invocation.json: wall clock and the byte
+    # counts, which include manifests, checkpoint metas and heartbeats that carry wall times (their length varies
+    # by a few bytes). A rerun after later rounds exist still describes this stage's rounds (storage_bytes: the
+    # run now)
     metrics = {"last_round": stage_last, "rounds_recorded": len(rounds), "rounds_run_now": out["rounds_run"],
-               "tensor_bytes_up_per_node_round": mean(n.upload.bytes_up_files for n in node_rows),
                "round_wall_s_mean": mean(walls), "heldout_s_mean": mean(rec.heldout_s for rec in rounds),
                "orchestration_overhead": (1 - sum(computes) / sum(walls)) if walls else 0.0,
                "bytes_up_per_node_round": mean(n.bytes_up for n in node_rows),

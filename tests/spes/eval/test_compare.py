@@ -228,7 +228,7 @@ def test_a_preset_with_its_own_variants_drops_the_included_pairs(tmp_path):
     (tmp_path / "study.yaml").write_text("include: base.yaml\ncompare:\n  variants:\n    spes: []\n"
                                          "    centralized: [sync.method=centralized]\n")
     (tmp_path / "pairs.yaml").write_text("include: base.yaml\ncompare:\n  pairs: {spes-int8: spes}\n")
-    assert load_params(PARAMS_YAML).compare.pairs == {"spes": "spes-no-merge"}
+    assert load_params(PARAMS_YAML).compare.pairs == {"spes": "spes-no-merge", "diloco": "fedavg"}
     study = load_params(str(tmp_path / "study.yaml"))
     assert study.compare.pairs == {} and set(check_matrix(study)) == {"spes", "centralized"}
     assert load_params(str(tmp_path / "pairs.yaml")).compare.pairs == {"spes-int8": "spes"}  # replaced, not merged
