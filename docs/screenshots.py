@@ -39,6 +39,7 @@ sys.path.insert(0, ROOT)
 
 from bench.cleanup import exit_on_termination, stop_process_group  # noqa: E402
 from pipelines.prefect_api import free_port  # noqa: E402
+from pipelines.watch import wait_for_http  # noqa: E402
 from spes.cli import run_command  # noqa: E402
 from spes.errors import UsageError  # noqa: E402
 
@@ -48,18 +49,7 @@ WINDOW = "1680,1000"
 
 def wait_http(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
     """Until `url` answers 200, or the server process died, or `timeout_s` passed (each named)."""
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before {url} answered")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} did not answer within {timeout_s:.0f} s")
+    wait_for_http(url, proc, str(proc.args[0]), timeout_s)
 
 
 def stage(args: list[str], env: dict, log) -> None:

@@ -29,7 +29,9 @@ from spes.cli import run_command
 from spes.errors import MissingInput, OrchestrationError, UsageError
 
 
-def _wait(url: str, proc, what: str, timeout_s: float = 180.0) -> None:
+def wait_for_http(url: str, proc, what: str, timeout_s: float = 180.0) -> None:
+    """Until `url` answers 200; the server process dying first, or `timeout_s` passing, is one line naming
+    `what`."""
     deadline = time.time() + timeout_s
     while True:
         try:
@@ -125,7 +127,7 @@ def _prefect_server(procs: list) -> tuple[str, str]:
     proc = spawn([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     procs.append(proc)
-    _wait(f"{api}/health", proc, "the Prefect server")
+    wait_for_http(f"{api}/health", proc, "the Prefect server")
     return ui, api
 
 
@@ -138,7 +140,7 @@ def _tensorboard(folder: Optional[str], procs: list) -> Optional[str]:
     proc = spawn([sys.executable, "-m", "tensorboard.main", "--logdir", folder, "--host", "127.0.0.1", "--port",
                   str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     procs.append(proc)
-    _wait(f"http://127.0.0.1:{port}/", proc, "TensorBoard")
+    wait_for_http(f"http://127.0.0.1:{port}/", proc, "TensorBoard")
     return f"http://127.0.0.1:{port}"
 
 
