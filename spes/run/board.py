@@ -113,7 +113,7 @@ class RunBoard:
         g.add_scalar("round/heldout_s", rec.heldout_s, x)
         g.add_scalar("round/merge_alpha", rec.aggregate.merge_alpha, x)
         if self._keep_load(rec):
-            for layer, value in enumerate(_balance([self.loads[-1]])):
+            for layer, value in enumerate(_balance(self.loads[-1])):
                 g.add_scalar(f"routing/balance_layer{layer}", value, x)
             for layer in range(len(self.loads[-1])):
                 g.add_image(f"routing/expert_load_layer{layer}", load_heat_map([r[layer] for r in self.loads]), x)
@@ -173,11 +173,7 @@ def _rates_within(timeline: list[list[float]], tokens_per_step: float) -> list[t
     return out
 
 
-def _balance(loads: list[list[list[int]]]) -> list[float]:
-    """Per layer, over all nodes' routed rows: the busiest expert's count over the mean count (0 for a layer
-    that routed nothing)."""
-    if not loads:
-        return []
-    totals = [[sum(node[layer][e] for node in loads) for e in range(len(loads[0][layer]))]
-              for layer in range(len(loads[0]))]
+def _balance(totals: list[list[int]]) -> list[float]:
+    """Per layer, from each expert's routed rows over all nodes: the busiest expert's count over the mean count
+    (0 for a layer that routed nothing)."""
     return [b if math.isfinite(b) else 0.0 for b in load_balance(totals)]
