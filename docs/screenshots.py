@@ -38,8 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.cleanup import exit_on_termination, stop_process_group  # noqa: E402
-from pipelines.prefect_api import free_port  # noqa: E402
-from pipelines.watch import wait_for_http  # noqa: E402
+from pipelines.prefect_api import free_port, wait_for_http  # noqa: E402
 from spes.cli import run_command  # noqa: E402
 from spes.errors import UsageError  # noqa: E402
 

@@ -33,15 +33,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _healthy(url: str) -> bool:
+def _answers(url: str) -> bool:
     try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+        with urllib.request.urlopen(url, timeout=2) as r:
             return r.status == 200
     except (urllib.error.URLError, ConnectionError, OSError):
         return False
 
 
-def _drain_prefect_workers() -> None:
+def wait_for_http(url: str, proc: subprocess.Popen, what: str, timeout_s: float = 180.0, poll_s: float = 0.3) -> None:
+    """Until `url` answers 200; `proc` (the server) dying first, or `timeout_s` passing, is one line naming
+    `what`."""
+    deadline = time.time() + timeout_s
+    while not _answers(url):
+        if proc.poll() is not None:
+            raise OrchestrationError(f"{what} exited with {proc.returncode} before it answered on {url}")
+        if time.time() > deadline:
+            raise OrchestrationError(f"{what} did not answer on {url} within {timeout_s:.0f} s")
+        time.sleep(poll_s)
+
+
+def drain_prefect_workers() -> None:
     if "prefect" not in sys.modules:
         return
     from prefect.events.worker import EventsWorker
@@ -99,20 +111,14 @@ def prefect_api(startup_timeout_s: float = 180.0) -> Iterator[str]:
                   "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
                   "--log-level", "error", "--lifespan", "on"], env=env)
     try:
-        deadline = time.time() + startup_timeout_s
-        while not _healthy(url):
-            if proc.poll() is not None:
-                raise OrchestrationError(f"the local Prefect server exited with {proc.returncode} before it was ready")
-            if time.time() > deadline:
-                raise OrchestrationError(f"the local Prefect server did not answer on {url} within {startup_timeout_s:.0f}s")
-            time.sleep(0.2)
+        wait_for_http(f"{url}/health", proc, "the local Prefect server", startup_timeout_s, poll_s=0.2)
         os.environ["PREFECT_API_URL"] = url
         os.environ[TEMPORARY_API_ENV] = url
         # the temporary server has no UI and dies with the stage: no "View at http://..." link to a 404
         os.environ.setdefault("PREFECT_UI_URL", "")
         yield url
     finally:
-        _drain_prefect_workers()  # send the last logs and events while the server still listens
+        drain_prefect_workers()  # send the last logs and events while the server still listens
         os.environ.pop("PREFECT_API_URL", None)
         os.environ.pop(TEMPORARY_API_ENV, None)
         if os.environ.get("PREFECT_UI_URL") == "":

@@ -20,31 +20,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from typing import Optional
 
 from pipelines.node_pool import spawn
-from pipelines.prefect_api import check_api_access, free_port
+from pipelines.prefect_api import check_api_access, drain_prefect_workers, free_port, wait_for_http
 from spes.cli import run_command
-from spes.errors import MissingInput, OrchestrationError, UsageError
-
-
-def wait_for_http(url: str, proc, what: str, timeout_s: float = 180.0) -> None:
-    """Until `url` answers 200; the server process dying first, or `timeout_s` passing, is one line naming
-    `what`."""
-    deadline = time.time() + timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        if proc is not None and proc.poll() is not None:
-            raise OrchestrationError(f"{what} exited with {proc.returncode} before it answered on {url}")
-        if time.time() > deadline:
-            raise OrchestrationError(f"{what} did not answer on {url} within {timeout_s:.0f} s")
-        time.sleep(0.3)
+from spes.errors import MissingInput, UsageError
 
 
 def _settings(a) -> list[str]:
@@ -87,6 +68,7 @@ def main() -> None:
             while all(proc.poll() is None for proc in procs):
                 time.sleep(1)
     finally:  # each server in its own process group: the Prefect server's own children end with it
+        drain_prefect_workers()  # the last logs and events sent while the server still listens (else exit waits)
         for proc in procs:
             _signal_group(proc, signal.SIGTERM)
         for proc in procs:
