@@ -48,7 +48,7 @@ def spes_node(params: dict, run: str, r: int, node: int, tokens: Optional[str] =
               from_checkpoint: bool = False) -> dict:
     relay_library_logs()
     p = params_from_dict(params)
-    store = FileStore.from_config(p.storage)
+    store = FileStore.from_config(p.storage, role="node machine")
     req = NodeRequest(params, run, r, node, checkpoint, tokens, from_checkpoint=from_checkpoint)
     logger = get_run_logger()
     with Heartbeat(store, run, r, node, p.orchestration.heartbeat_timeout_s / 4) as beat:

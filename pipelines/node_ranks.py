@@ -114,7 +114,7 @@ def rank_main(request_path: str, threads: int, events_path: str) -> None:
         logging.getLogger("spes").setLevel(logging.INFO)
     out = None
     try:
-        out = result_event(node_round(RoundContext.build(p, req.run), req.round, node,
+        out = result_event(node_round(RoundContext.build(p, req.run, role="node machine"), req.round, node,
                                       TokenData.open(req.tokens_dir), checkpoint=req.checkpoint,
                                       from_checkpoint=req.from_checkpoint))
     except Exception as e:  # rank 0 reports the node's own error (and whether a retry may help), then fails

@@ -42,7 +42,8 @@ def round_context(req):
 
     if _CONTEXT.get("key") != (req.params, req.run):
         _CONTEXT.clear()
-        _CONTEXT.update(key=(req.params, req.run), ctx=RoundContext.build(params_from_dict(req.params), req.run))
+        _CONTEXT.update(key=(req.params, req.run), ctx=RoundContext.build(params_from_dict(req.params), req.run,
+                                                                        role="node machine"))
     return _CONTEXT["ctx"]
 
 

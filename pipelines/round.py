@@ -95,7 +95,7 @@ def open_run(p: Params, run: str) -> RoundContext:
     let go; what another process did to the run since is read anew)."""
     global _OPEN
     _OPEN = None
-    ctx = RoundContext.build(p, run, writer=True)
+    ctx = RoundContext.build(p, run, writer=True, role="orchestrator")
     _OPEN = (ctx, Aggregator(ctx))
     return ctx
 

@@ -22,7 +22,7 @@ LAYERS = [
     ("spes.plan",),
     ("spes.run",),
     ("spes.round",),
-    ("spes.members",),
+    ("spes.members", "spes.policy"),
     ("pipelines",),
     ("stages",),
 ]

@@ -29,10 +29,12 @@ class RoundContext:
     codec: Codec
 
     @classmethod
-    def build(cls, p: Params, run: str, store: Optional[Store] = None, writer: bool = False) -> "RoundContext":
+    def build(cls, p: Params, run: str, store: Optional[Store] = None, writer: bool = False,
+              role: str = "") -> "RoundContext":
         """`store`: an open one to share (a test's, a stage's); else opened from storage.*. `writer`: the
-        flow holding the run's lease (see the module docstring)."""
-        handle = Run(store, run, writer) if store is not None else Run.open(p.storage, run, writer)
+        flow holding the run's lease (see the module docstring). `role`: whose work, named when storage
+        refuses a call ("orchestrator", "node machine")."""
+        handle = Run(store, run, writer) if store is not None else Run.open(p.storage, run, writer, role)
         return cls(p, handle, sync_method(p), make_codec(p.sync.codec, p.sync.int8_block))
 
     @property

@@ -11,21 +11,33 @@
     runs/<run>/rounds/<r:06d>/record/         how the round went: wall time, per-node rows, held-out loss
     runs/<run>/superseded/<stamp>/<r:06d>/    rounds set aside by a resume from an earlier round (or a restart)
     runs/<run>/rejected/<r>-<i>-<stamp>/      node uploads that failed verification, kept for inspection
+    runs/<run>/heartbeats/<i:03d>.json        node i's heartbeat while it works on another machine
+    runs/<run>/membership/<kind>-<i:05d>.json a join or leave request for node i (spes/run/membership.py)
     data/tokens/<key>/                        token shards for nodes on other machines (raw files)
 
-Every folder but `lease/` and `superseded/` is a bundle (`spes/storage/store.py`): visible once committed.
+Every folder but `lease/`, `superseded/`, `heartbeats/` and `membership/` is a bundle (`spes/storage/store.py`):
+visible once committed.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
 
 from spes.config.schema import check_name
 from spes.sync.deltas import MODEL_FILE, OUTER_FILE, RESIDUAL_FILE  # noqa: F401  - a global bundle's files
+
+ANY_ROUND = "*"
+"""In place of a round number: the pattern of that path in every round (access policies, spes/run/access.py)."""
+TOKENS_ROOT = "data/tokens"
+
+Round = Union[int, str]
 
 
 @dataclass(frozen=True)
 class RunLayout:
     run: str
+
+    REQUEST_KINDS = ("join", "leave")
 
     def __post_init__(self):
         check_name(self.run, "run name")
@@ -49,19 +61,19 @@ class RunLayout:
     def rounds_dir(self) -> str:
         return f"{self.base}/rounds"
 
-    def round_dir(self, r: int) -> str:
-        return f"{self.rounds_dir}/{r:06d}"
+    def round_dir(self, r: Round) -> str:
+        return f"{self.rounds_dir}/{ANY_ROUND if r == ANY_ROUND else f'{r:06d}'}"
 
-    def global_dir(self, r: int) -> str:
+    def global_dir(self, r: Round) -> str:
         return f"{self.round_dir(r)}/global"
 
-    def node_dir(self, r: int, node: int) -> str:
+    def node_dir(self, r: Round, node: int) -> str:
         return f"{self.round_dir(r)}/nodes/{node:03d}"
 
-    def delta_dir(self, r: int) -> str:
+    def delta_dir(self, r: Round) -> str:
         return f"{self.round_dir(r)}/delta"
 
-    def state_dir(self, r: int, node: int) -> str:
+    def state_dir(self, r: Round, node: int) -> str:
         return f"{self.round_dir(r)}/states/{node:03d}"
 
     def record_dir(self, r: int) -> str:
@@ -71,6 +83,9 @@ class RunLayout:
     def membership_dir(self) -> str:
         """Join and leave requests (spes/run/membership.py)."""
         return f"{self.base}/membership"
+
+    def request_file(self, kind: str, node: int) -> str:
+        return f"{self.membership_dir}/{kind}-{node:05d}.json"
 
     def heartbeat(self, node: int) -> str:
         """The node's heartbeat while it works on a round on another machine (spes/run/heartbeat.py)."""
@@ -85,4 +100,4 @@ class RunLayout:
 
 def tokens_dir(key: str) -> str:
     check_name(key, "token data key")
-    return f"data/tokens/{key}"
+    return f"{TOKENS_ROOT}/{key}"

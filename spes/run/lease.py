@@ -109,7 +109,7 @@ class WriterLease:
             self.gen = top + 1
             for old in range(max(0, top - 8), top):  # tidy up; keep the one we took over for the record
                 try:
-                    self.store.remove(self.layout.lease_file(old))
+                    self.store.remove_file(self.layout.lease_file(old))
                 except StorageError:
                     pass
             return self

@@ -34,7 +34,7 @@ from spes.sync.method import SyncMethod
 
 log = logging.getLogger("spes.run.membership")
 
-KINDS = ("join", "leave")
+KINDS = RunLayout.REQUEST_KINDS
 MAX_NODE_ID = 99_999
 
 
@@ -49,10 +49,6 @@ class Request(Record):
     requested: str = ""
     max_experts: Optional[int] = None
     """A joiner's cap: the most experts per layer that fit its memory (`--gpu-mem`, by the planner)."""
-
-
-def request_file(layout: RunLayout, kind: str, node: int) -> str:
-    return f"{layout.membership_dir}/{kind}-{node:05d}.json"
 
 
 def initial_membership(method: SyncMethod, num_experts: int) -> Membership:
@@ -80,7 +76,7 @@ def read_requests(store: Store, layout: RunLayout) -> list[Request]:
             req = Request.from_json(json.loads(store.read_bytes(rel)), where)
         except (ValueError, UnicodeDecodeError) as e:
             raise RecordError(f"{where}: not a membership request ({e}); remove it") from None
-        if req.kind not in KINDS or rel != request_file(layout, req.kind, req.node):
+        if req.kind not in KINDS or rel != layout.request_file(req.kind, req.node):
             raise RecordError(f"{where}: not a membership request (kind {req.kind!r}, node {req.node}); remove it")
         out.append(req)
     return out
@@ -88,7 +84,7 @@ def read_requests(store: Store, layout: RunLayout) -> list[Request]:
 
 def _write(store: Store, layout: RunLayout, req: Request, exclusive: bool) -> None:
     data = json.dumps(req.to_json(), sort_keys=True).encode()
-    rel = request_file(layout, req.kind, req.node)
+    rel = layout.request_file(req.kind, req.node)
     if exclusive:
         store.create_exclusive(rel, data)
     else:
@@ -134,7 +130,7 @@ def request(store: Store, run: str, method: SyncMethod, kind: str, node: int,
     if old is not None:
         if old.at_round is None:
             raise MembershipError(f"node {node}: a {kind} request of run {run!r} is already pending")
-        store.remove(request_file(layout, kind, node))  # applied (or refused) long ago: a new one replaces it
+        store.remove_file(layout.request_file(kind, node))  # applied (or refused) long ago: a new one replaces it
     req = Request(kind, node, requested=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   max_experts=max_experts if kind == "join" else None)
     try:

@@ -45,9 +45,9 @@ class RunRounds:
         self._globals: dict[int, dict] = {}
 
     @classmethod
-    def open(cls, storage: StorageConfig, name: str, keep_globals: bool = False):
-        """Run `name` on the storage the settings' `storage` section names."""
-        return cls(Store.from_config(storage), name, keep_globals)
+    def open(cls, storage: StorageConfig, name: str, keep_globals: bool = False, role: str = ""):
+        """Run `name` on the storage the settings' `storage` section names; `role`: whose work (FileStore.role)."""
+        return cls(Store.from_config(storage, role), name, keep_globals)
 
     def global_manifest(self, r: int) -> dict:
         """Committed global r's manifest (kept, for the writer)."""

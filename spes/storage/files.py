@@ -26,7 +26,7 @@ _S = TypeVar("_S", bound="FileStore")
 
 class FileStore:
     def __init__(self, url: str, options: Optional[dict] = None, timeout_s: float = 30.0, retries: int = 4,
-                 backoff_s: float = 0.5, part_bytes: int = PART_BYTES):
+                 backoff_s: float = 0.5, part_bytes: int = PART_BYTES, role: str = ""):
         opts = dict(options or {})
         protocol = url.split("://")[0] if "://" in url else "file"
         if protocol == "s3":
@@ -48,6 +48,9 @@ class FileStore:
         self.bytes_read = self.bytes_written = 0  # every byte this store moved (traffic reports)
         self.calls = 0  # every storage call (tests bound the calls a round makes)
         self.part_bytes = part_bytes  # S3: what a dropped connection costs at most (spes/storage/parts.py)
+        self.role = role
+        """Whose work this store does ("orchestrator", "node machine"): named when storage refuses a call, since
+        each role's key may do only what its policy allows (spes/run/access.py)."""
         if protocol == "file":
             self.fs.makedirs(self.root, exist_ok=True)
         self.real_root = os.path.realpath(self.root) if protocol == "file" else self.root
@@ -72,9 +75,9 @@ class FileStore:
         return twin
 
     @classmethod
-    def from_config(cls: type[_S], storage) -> _S:
+    def from_config(cls: type[_S], storage, role: str = "") -> _S:
         """From a `StorageConfig` section (a Store's from_config gives a Store)."""
-        return cls(storage.url, storage.options, storage.timeout_s, storage.retries)
+        return cls(storage.url, storage.options, storage.timeout_s, storage.retries, role=role)
 
     @property
     def retries(self) -> int:
@@ -93,12 +96,14 @@ class FileStore:
         """Denied, or no credentials: one line naming where, not a traceback (it cannot change on a retry)."""
         where = self.url
         endpoint = (self.options.get("endpoint_url") or (self.options.get("client_kwargs") or {}).get("endpoint_url"))
+        key = f"the {self.role}'s key" if self.role else "this machine's key"
         if self.protocol == "s3":
             where = f"bucket {self.root.split('/', 1)[0]!r} ({self.url}) at {endpoint or 'the default AWS endpoint'}"
-            hint = "; check the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE) on this machine"
+            hint = ("; check the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE) on this machine"
+                    " and that key's policy (`python -m spes.policy` prints what each role may do)")
         else:
             hint = "; check the folder's permissions"
-        return StorageError(f"storage {where}: {what}: access denied ({type(e).__name__}: {e}){hint}")
+        return StorageError(f"storage {where}: {what}: access denied to {key} ({type(e).__name__}: {e}){hint}")
 
     # -- paths -----------------------------------------------------------------------------------
     def path(self, *parts: str) -> str:
@@ -144,7 +149,7 @@ class FileStore:
         """Write `rel` only if it does not exist (FileExistsError otherwise): local hard link, S3 If-None-Match.
         A retried create that finds its own bytes there (the first try landed) counts as done."""
         p = self.path(rel)
-        self._io(f"makedirs {posixpath.dirname(rel)}", self.fs.makedirs, posixpath.dirname(p), exist_ok=True)
+        self.makedirs(posixpath.dirname(rel))
         tries = 0
 
         def create() -> None:
@@ -189,7 +194,10 @@ class FileStore:
         self.calls += 1
 
     def makedirs(self, rel: str) -> None:
-        self._io(f"makedirs {rel}", self.fs.makedirs, self.path(rel), exist_ok=True)
+        """A local folder; nothing on S3, which has no folders (s3fs would probe the bucket, and try to create
+        it, with calls a node's key may not make: spes/run/access.py)."""
+        if self.protocol != "s3":
+            self._io(f"makedirs {rel}", self.fs.makedirs, self.path(rel), exist_ok=True)
 
     def list_names(self, rel: str) -> list[str]:
         """Names directly under `rel` ([] if it does not exist)."""
@@ -201,11 +209,33 @@ class FileStore:
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != p)
 
     def remove(self, rel: str) -> None:
+        """Remove the folder `rel` (a bundle) and all below it; nothing if there is none. On S3 only the objects
+        listed under `rel/` are deleted, never the bare name probed: a node's key may touch only what lies below
+        its own folders (spes/run/access.py). A single file: `remove_file`."""
         p = self.path(rel)
+        if self.protocol == "s3":
+            # one DELETE per object, markers first (no half-removed bundle counts as committed): s3fs's bulk
+            # delete drops the errors S3 reports per key, so a refused delete would pass unseen
+            for obj in sorted(self._objects_under(rel), key=lambda o: posixpath.basename(o) not in self.MARKERS):
+                self._io(f"remove {posixpath.relpath(obj, self.root)}", self.fs.rm_file, obj)
+            return
         try:
             self._io(f"remove {rel}", self.fs.rm, p, recursive=True)
         except FileNotFoundError:
             pass
+
+    def remove_file(self, rel: str) -> None:
+        """Remove the file `rel`; nothing if there is none."""
+        try:
+            self._io(f"remove {rel}", self.fs.rm_file, self.path(rel))
+        except FileNotFoundError:
+            pass
+
+    def _objects_under(self, rel: str) -> list[str]:
+        """S3: every object whose key starts with `rel/`, by one listing of that prefix (s3fs's find of a
+        path also probes the path's own name when nothing is below it)."""
+        parent, name = posixpath.split(self.path(rel))
+        return sorted(self._io(f"list {rel}", self.fs.find, parent, prefix=name + "/"))
 
     MARKERS: tuple[str, ...] = ()
     """File names that make a folder count (a bundle's COMMIT): an object-store move copies them last and

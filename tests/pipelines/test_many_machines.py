@@ -34,10 +34,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 ROUNDS, KILL_ROUND = 3, 2  # the tiny project's run (tests/pipelines/tiny_project.py)
 
 
-def _params(root, endpoint: str, executor: str, bucket_prefix: str, **orchestration) -> str:
+def _params(root, endpoint: str, executor: str, bucket_prefix: str, bucket: str = "spes-many", **orchestration) -> str:
     p = json.loads(json.dumps(PARAMS))  # the maths of the tiny reference run; only where things run differs
     p.update(artifacts_dir=str(root / "artifacts"),
-             storage={"url": f"s3://spes-many/{bucket_prefix}", "options": {"endpoint_url": endpoint}, "keep_rounds": 2},
+             storage={"url": f"s3://{bucket}/{bucket_prefix}", "options": {"endpoint_url": endpoint}, "keep_rounds": 2},
              checkpoint={"every_rounds": 100})  # node state stays on the node's machine until the end
     # a heartbeat bound well above what a busy 2-core machine (tests on three workers) can stall a live node for:
     # 20 s was not (CI of stop 45: the spare test ended without node 1 moving in round 2, most likely it was
