@@ -90,6 +90,9 @@ class FileStore:
         except Exception as e:
             if is_access_denied(e):
                 raise self._access_error(what, e) from None
+            if self.protocol == "s3" and isinstance(e, FileNotFoundError) and "bucket does not exist" in str(e):
+                raise StorageError(f"storage {self.url}: {what}: the bucket {self.root.split('/', 1)[0]!r} does not "
+                                   "exist at that endpoint; create it first (nothing here creates buckets)") from None
             raise
 
     def _access_error(self, what: str, e: BaseException) -> StorageError:

@@ -126,6 +126,18 @@ def test_s3_with_wrong_credentials_is_one_line_naming_endpoint_and_bucket(monkey
         assert len(msg.splitlines()) == 1 and "'my-bucket'" in msg and endpoint in msg and "access denied" in msg
 
 
+@pytest.mark.s3
+def test_s3_bucket_that_does_not_exist_is_one_line_and_is_not_created(monkeypatch):
+    """Nothing creates a bucket (a node's key may not; a typo must not make a new one): one line naming it."""
+    with _moto_server(monkeypatch) as (endpoint, _):
+        store = Store("s3://no-such-bucket/spes", {"endpoint_url": endpoint}, retries=4)
+        with pytest.raises(StorageError) as e:
+            store.write_bundle("runs/x/info", {}, {})
+        msg = str(e.value)
+        assert len(msg.splitlines()) == 1 and "the bucket 'no-such-bucket' does not exist" in msg, msg
+        assert not store.fs.exists("no-such-bucket")
+
+
 class DroppingProxy:
     """A loopback TCP proxy in front of `port` that counts the bytes each way ('up': to the server) and, once
     `drop_after` bytes have gone the `way` it watches (all connections together), cuts the connection that
