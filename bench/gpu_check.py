@@ -247,7 +247,7 @@ def check_node_round(a, dev) -> dict:
     from spes.data.tokenization import tokenize_corpus
     from spes.data.tokens import TokenData
     from spes.round.context import RoundContext
-    from spes.round.node import node_round
+    from spes.round.node import NodeRound
     from spes.run.identity import InitModel, settings_fingerprint
     from spes.run.run import Run
     from spes.storage.store import Store
@@ -276,7 +276,7 @@ def check_node_round(a, dev) -> dict:
         run = Run(store, "r")
         run.ensure(settings_fingerprint(p), InitModel.from_state(init, cfg, "gpu-check"))
         t = time.perf_counter()
-        report = node_round(RoundContext.build(p, "r", store), 1, 0, data)
+        report = NodeRound(RoundContext.build(p, "r", store), 1, 0, data).run()
         files = store.read_bundle(run.layout.node_dir(1, 0)).files
         out[key] = {"losses": report.upload.losses, "files": files, "seconds": time.perf_counter() - t,
                       "device": report.upload.device}

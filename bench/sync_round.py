@@ -41,7 +41,7 @@ from spes.model.transformer import CausalLM  # noqa: E402
 from spes.round.aggregator import Aggregator  # noqa: E402
 from spes.round.context import RoundContext
 from spes.round.driver import run_round  # noqa: E402
-from spes.round.node import node_round  # noqa: E402
+from spes.round.node import NodeRound  # noqa: E402
 from spes.run.identity import InitModel, settings_fingerprint  # noqa: E402
 from spes.run.layout import MODEL_FILE  # noqa: E402
 from spes.run.run import Run  # noqa: E402
@@ -87,7 +87,7 @@ def run_variant(a, root: str, data: TokenData, method: str, codec: str, after_ro
     for r in range(1, rounds + 1):
         w0 = store.bytes_written
         def run_nodes(nodes, checkpoint, r=r):  # each node with a context of its own, as a node process
-            return {i: node_round(RoundContext.build(p, "bench", store), r, i, data, checkpoint=checkpoint) for i in nodes}
+            return {i: NodeRound(RoundContext.build(p, "bench", store), r, i, data, checkpoint=checkpoint).run() for i in nodes}
 
         # the real round (spes/round/driver.py): nodes, aggregation, record, retention; no held-out probe
         rec = run_round(flow, r, run_nodes, lambda rerun, r=r: agg.aggregate(r, rerun_rejected=rerun),

@@ -59,7 +59,7 @@ class FaultPlan:
         return True
 
     def hook(self, run: str, r: int, node: int) -> Optional[Callable[[int], None]]:
-        """A per-step callback for node_round, or None when nothing applies to this node and round."""
+        """A per-step callback for a NodeRound, or None when nothing applies to this node and round."""
         kill, slow = self._applies("kill", run, r, node), self._applies("slow", run, r, node)
         dead = self.plan.get("dead")
         dead = dead if dead and dead["node"] == node and r >= dead["from_round"] and dead.get("run", run) == run else None

@@ -1,6 +1,6 @@
 """A node's round on one rank or on several (`orchestration.gpus_per_node`).
 
-One rank: `spes.round.node.node_round` in this process. Several: a torchrun job per round,
+One rank: `spes.round.node.NodeRound` in this process. Several: a torchrun job per round,
 
     python -m torch.distributed.run --standalone --nproc-per-node G -m pipelines.node_ranks REQUEST THREADS EVENTS
 
@@ -53,14 +53,14 @@ def check_ranks(p) -> None:
 def run_node(ctx: RoundContext, r: int, node: int, tokens_dir: str, threads: int,
              on_step: Optional[Callable[[int], None]] = None, checkpoint: bool = False,
              from_checkpoint: bool = False) -> NodeReport:
-    """The node's round; its report (what node_round returns)."""
+    """The node's round; its report (what NodeRound.run returns)."""
     from spes.data.tokens import TokenData
-    from spes.round.node import node_round
+    from spes.round.node import NodeRound
 
     p, run = ctx.p, ctx.name
     if p.orchestration.gpus_per_node == 1:
-        return node_round(ctx, r, node, TokenData.open(tokens_dir), on_step=on_step, checkpoint=checkpoint,
-                          from_checkpoint=from_checkpoint, ahead=lookahead())
+        return NodeRound(ctx, r, node, TokenData.open(tokens_dir), on_step=on_step, checkpoint=checkpoint,
+                          from_checkpoint=from_checkpoint).run(lookahead())
     check_ranks(p)
     from pipelines.node_events import read_stream
     from pipelines.request import NodeRequest
@@ -94,7 +94,7 @@ def rank_main(request_path: str, threads: int, events_path: str) -> None:
     from spes.config.loader import params_from_dict
     from spes.data.tokens import TokenData
     from spes.round.context import RoundContext
-    from spes.round.node import node_round
+    from spes.round.node import NodeRound
     from spes.train.devices import resolve_device
 
     with open(request_path) as f:
@@ -114,9 +114,9 @@ def rank_main(request_path: str, threads: int, events_path: str) -> None:
         logging.getLogger("spes").setLevel(logging.INFO)
     out = None
     try:
-        out = result_event(node_round(RoundContext.build(p, req.run, role="node machine"), req.round, node,
+        out = result_event(NodeRound(RoundContext.build(p, req.run, role="node machine"), req.round, node,
                                       TokenData.open(req.tokens_dir), checkpoint=req.checkpoint,
-                                      from_checkpoint=req.from_checkpoint))
+                                      from_checkpoint=req.from_checkpoint).run())
     except Exception as e:  # rank 0 reports the node's own error (and whether a retry may help), then fails
         out = result_event(error=e)
         raise

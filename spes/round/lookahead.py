@@ -21,7 +21,12 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from spes.errors import StorageError
+from spes.round.fetch import fetch_global
 from spes.round.inputs import HeldGlobal, RoundInputs
+from spes.round.steps import Assignment, LocalRound, Start, Trained, train
+from spes.sync.deltas import EXPERTS_FILE, experts_file, with_own_delta
+from spes.train.expert_state import expert_steps
 
 log = logging.getLogger("spes.round.lookahead")
 
@@ -159,6 +164,56 @@ class Lookahead:
 
     def _reset(self) -> None:
         self._thread, self._assumed, self._result, self._error = None, None, None, None
+
+
+class TrainAhead:
+    """Round r's part in the lookahead, the strategy a node round is given with sync.overlap: round r+1 starts
+    on a thread once round r's exact delta is known (`delta_known`), learns the state it continues from once
+    that is kept (`state_kept`), and global r is fetched on a thread once committed (`prefetch_global`)."""
+
+    def __init__(self, ahead: Lookahead, local: LocalRound, inputs: RoundInputs, t: Trained,
+                 optim: dict[str, torch.Tensor]):
+        self.ahead, self.local, self.inputs, self.t, self.optim = ahead, local, inputs, t, optim
+        self.saved: Optional[dict] = None
+
+    def delta_known(self, sent: dict[str, torch.Tensor]) -> None:
+        """Start round r+1 from what round r left in memory: global r-1 + the node's delta of round r (the start
+        read_inputs builds for round r+1 from the same state), its optimizer state, same experts; the state's
+        digest is settled once the state is kept (until then the result matches no round)."""
+        local, before, t = self.local, self.inputs, self.t
+        r, owned = local.r + 1, t.trainer.owned
+        nxt = LocalRound(local.ctx, r, local.node, local.data)
+        start = Start(with_own_delta(local.ctx.method, before.prev, sent, owned), self.optim,
+                      Assignment(before.model_config, t.position, owned, before.slot, expert_steps(self.optim)))
+        assumed = Assumed(local.ctx.name, local.ctx.p, r, local.node, local.data.folder, "", (r - 2, before.prev_sha),
+                          owned, before.slot, t.position, before.model_config, torch.get_num_threads())
+        self.ahead.start(assumed, lambda: train(nxt, start, log_progress=False))
+
+    def state_kept(self, saved: dict) -> None:
+        self.saved = saved
+        self.ahead.settle(saved["digest"])
+
+    def prefetch_global(self) -> None:
+        """Fetch global r on a thread once it is committed, from global r-1 in memory and the delta (its own
+        experts' rows from what it just uploaded), for round r+1's inputs."""
+        assert self.saved is not None, "the state is kept before the upload is committed"
+        ctx, r, node, inputs = self.local.ctx, self.local.r, self.local.node, self.inputs
+        store, layout = ctx.store, ctx.layout
+        self.ahead.remember(r - 1, HeldGlobal(inputs.prev_sha, inputs.prev))
+        entry = self.saved["manifest"]["files"].get(EXPERTS_FILE)
+        own = {experts_file(node): (entry["sha256"], self.saved["files"][EXPERTS_FILE])} if entry else None
+
+        def fetch() -> tuple[HeldGlobal, int]:
+            apart = store.counted_apart()  # its bytes alone, whatever else reads meanwhile
+            mark, manifest = apart.read_marked(layout.global_dir(r))
+            tensors, sha = fetch_global(apart, layout, r, manifest, ctx.codec, ctx.method, (r - 1, inputs.prev_sha),
+                                        lambda: inputs.prev, own)
+            if inputs.local.save_base(r, tensors) != sha:  # kept here too, out of the next round's own time
+                raise StorageError(f"node {node}: global {r} as kept here does not hash to the committed {sha[:12]}")
+            return HeldGlobal(sha, tensors, mark, manifest), apart.bytes_read
+
+        self.ahead.prefetch(r, lambda: store.is_committed(layout.global_dir(r)), fetch,
+                            time.time() + ctx.p.orchestration.round_timeout_s)
 
 
 def _difference(a: Optional[Assumed], b: Assumed) -> str:

@@ -30,6 +30,16 @@ def node_seed(seed: int, node: int, r: int) -> int:
     return seed * 100003 + node * 1009 + r
 
 
+@dataclass(frozen=True)
+class LocalRound:
+    """Whose local steps: node `node`'s round r of the run in `ctx`, on its token data."""
+
+    ctx: RoundContext
+    r: int
+    node: int
+    data: TokenData
+
+
 @dataclass
 class Assignment:
     """What every rank of the node needs to know about its round besides tensors."""
@@ -41,18 +51,29 @@ class Assignment:
     expert_steps: dict[int, float]
 
 
-def share_inputs(inputs: Optional[RoundInputs], sharded: bool) -> tuple[Optional[dict], Optional[dict], Assignment]:
-    """(the model to start from, optimizer tensors, the round's assignment) on every rank of the node. A sharded node
-    (fsdp) keeps the tensors on rank 0, which gives each rank its shards (None elsewhere)."""
+@dataclass
+class Start:
+    """What the local steps start from on a rank: the model, the optimizer tensors ({}: none yet; None: a
+    sharded node's rank other than 0, whose shards come from rank 0) and the round's assignment."""
+
+    model: Optional[dict]
+    optim: Optional[dict]
+    assignment: Assignment
+
+
+def share_inputs(inputs: Optional[RoundInputs], sharded: bool) -> Start:
+    """The round's start on every rank of the node. A sharded node (fsdp) keeps the tensors on rank 0, which
+    gives each rank its shards (None elsewhere)."""
     state = inputs.state if inputs is not None else None
     start = inputs.start if inputs is not None else None
     small = broadcast_object((Assignment(inputs.model_config, inputs.position, inputs.owned, inputs.slot,
                                          expert_steps(state.optim) if state else {}),
                               state is not None) if inputs is not None else None)
-    job, has_state = small
+    assignment, has_state = small
     if sharded:
-        return start, (state.optim if state else None) if has_state else {}, job
-    return broadcast_tensors(start), broadcast_tensors(state.optim if state else None) if has_state else {}, job
+        return Start(start, (state.optim if state else None) if has_state else {}, assignment)
+    return Start(broadcast_tensors(start), broadcast_tensors(state.optim if state else None) if has_state else {},
+                 assignment)
 
 
 @dataclass
@@ -84,11 +105,13 @@ def _data_stream(p: Params, nodes: int, data: TokenData, job: Assignment, batch:
     return BatchStream(data.train, batch, t.seq_len, t.seed, job.slot, job.position, order=order, num_nodes=nodes)
 
 
-def train(ctx: RoundContext, r: int, node: int, data: TokenData, start: Optional[dict], optim: Optional[dict],
-          job: Assignment, on_step: Optional[Callable[[int], None]] = None, log_progress: bool = True) -> Trained:
-    """Every rank: the node's `sync.every_steps` local steps from `start` (global r-1, or with sync.overlap the
+def train(local: LocalRound, begin: Start, on_step: Optional[Callable[[int], None]] = None,
+          log_progress: bool = True) -> Trained:
+    """Every rank: the node's `sync.every_steps` local steps from `begin` (global r-1, or with sync.overlap the
     node's own model: spes/round/inputs.py), this rank's share of each batch."""
     t0 = time.perf_counter()
+    ctx, r, node, data = local.ctx, local.r, local.node, local.data
+    start, optim, job = begin.model, begin.optim, begin.assignment
     p, method = ctx.p, ctx.method
     steps = p.sync.every_steps
     rank, ranks = rank_and_size()
@@ -131,7 +154,7 @@ def train(ctx: RoundContext, r: int, node: int, data: TokenData, start: Optional
             loss = float(m.ce)  # a host sync: the seconds below are the device's
             elapsed = time.perf_counter() - t1
             if log_progress:  # not while another round is in the log: its lines would read as that round's
-                _log_progress(node, r, i + 1, steps, loss, tokens, elapsed)
+                log.info("%s", Progress(node, r, i + 1, steps, loss, tokens, elapsed).line())
             timeline.append([i + 1, elapsed])
         if on_step is not None:
             on_step(i)
@@ -140,9 +163,3 @@ def train(ctx: RoundContext, r: int, node: int, data: TokenData, start: Optional
     aux_cpu: list[list[float]] = torch.stack(aux).tolist() if aux else []
     return Trained(trainer, stream.position, losses_cpu, tokens, counts, device, t_load, time.perf_counter() - t1,
                    trainer.state_bytes(), norms_cpu, [a[0] for a in aux_cpu], [a[1] for a in aux_cpu], timeline)
-
-
-def _log_progress(node: int, r: int, done: int, steps: int, loss: float, tokens: int, seconds: float) -> None:
-    log.info("%s", Progress(node, r, done, steps, loss, tokens, seconds).line())
-
-

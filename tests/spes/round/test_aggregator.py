@@ -8,7 +8,7 @@ import pytest
 from spes.data.tokens import TokenData
 from spes.round.aggregator import Aggregator, aggregate_round
 from spes.round.context import RoundContext
-from spes.round.node import node_round
+from spes.round.node import NodeRound
 from spes.run.layout import MODEL_FILE
 from spes.storage.store import Store
 from tests.conftest import start_run
@@ -33,7 +33,7 @@ def in_memory(tmp_path):
 
 def _nodes(p, run, data, r):
     for i in (0, 1):  # each node with a context of its own, as a node process has
-        node_round(RoundContext.build(p, run.name, run.store), r, i, data)
+        NodeRound(RoundContext.build(p, run.name, run.store), r, i, data).run()
 
 
 def _reads(monkeypatch) -> list[str]:

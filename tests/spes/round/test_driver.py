@@ -7,7 +7,7 @@ from spes.errors import QuorumError
 from spes.round.aggregator import Aggregator
 from spes.round.context import RoundContext
 from spes.round.driver import HeldOutProbe, checkpoint_due, run_round
-from spes.round.node import node_round
+from spes.round.node import NodeRound
 from spes.run.identity import settings_fingerprint
 from spes.run.records import NodeReport
 from tests.conftest import start_run, tiny_params
@@ -39,7 +39,7 @@ def _writer(p, run) -> RoundContext:
 def _nodes(p, run, data, r):
     """The nodes, each with a context of its own, as a node process has."""
     def run_nodes(nodes, checkpoint):
-        return {i: node_round(RoundContext.build(p, run.name, run.store), r, i, data, checkpoint=checkpoint)
+        return {i: NodeRound(RoundContext.build(p, run.name, run.store), r, i, data, checkpoint=checkpoint).run()
                 for i in nodes}
 
     return run_nodes
@@ -190,7 +190,7 @@ def test_the_flow_reads_no_global_manifest_in_a_steady_round(tmp_path, data, mon
     def nodes(r):
         def run_nodes(members, checkpoint):
             store = Store.from_config(p.storage)  # a node process's own
-            return {i: node_round(RoundContext.build(p, run.name, store), r, i, data) for i in members}
+            return {i: NodeRound(RoundContext.build(p, run.name, store), r, i, data).run() for i in members}
         return run_nodes
 
     monkeypatch.setattr(Store, "read_manifest", counted)

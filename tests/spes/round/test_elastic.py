@@ -10,7 +10,7 @@ from spes.data.tokens import TokenData
 from spes.errors import MembershipError
 from spes.round.aggregator import aggregate_round
 from spes.round.context import RoundContext
-from spes.round.node import node_round
+from spes.round.node import NodeRound
 from spes.run.layout import MODEL_FILE
 from spes.run.membership import request
 from spes.sync.methods import sync_method
@@ -37,7 +37,7 @@ _start = start_run
 
 
 def _round(p, run, data, r, nodes):
-    reports = {i: node_round(RoundContext.build(p, "r", run.store), r, i, data, checkpoint=r == 2) for i in nodes}
+    reports = {i: NodeRound(RoundContext.build(p, "r", run.store), r, i, data, checkpoint=r == 2).run() for i in nodes}
     return reports, aggregate_round(RoundContext.build(p, "r", run.store), r, min_nodes=2)
 
 
@@ -87,7 +87,7 @@ def test_an_evicted_nodes_experts_are_trained_by_the_survivors_and_a_joiner_cont
     assert torch.equal(g[4][EXPERT][4:], g[3][EXPERT][4:] + up[EXPERT])
     assert run.store.read_manifest(run.layout.node_dir(4, 7))["meta"]["experts"] == [4, 5]
     with pytest.raises(MembershipError, match=r"node 2 is not a member of run 'r' in round 6 \(members \[0, 1, 7\]\)"):
-        node_round(RoundContext.build(p, "r", run.store), 6, 2, data)
+        NodeRound(RoundContext.build(p, "r", run.store), 6, 2, data).run()
 
 
 def test_a_resume_across_a_membership_change_equals_the_uninterrupted_run(tmp_path, data):
@@ -128,4 +128,4 @@ def test_requests_that_cannot_be_are_refused_with_nothing_written(tmp_path, data
     assert m.membership.owners == {2: [0, 1, 2, 3, 4, 5]} and m.contributors == [0, 1, 2]
     assert sorted(run.store.list_names(run.layout.membership_dir)) == ["leave-00000.json", "leave-00001.json"]
     with pytest.raises(MembershipError, match="not a member"):
-        node_round(RoundContext.build(p, "r", run.store), 2, 0, data)
+        NodeRound(RoundContext.build(p, "r", run.store), 2, 0, data).run()

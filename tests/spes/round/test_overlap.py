@@ -10,11 +10,12 @@ from spes.data.tokens import TokenData
 from spes.errors import ConfigError, NodeStateError
 from spes.round import aggregator as aggregator_module
 from spes.round import inputs as inputs_module
+from spes.round import lookahead as lookahead_module
 from spes.round import node as node_module
 from spes.round.aggregator import aggregate_round
 from spes.round.context import RoundContext
 from spes.round.lookahead import Lookahead
-from spes.round.node import node_round
+from spes.round.node import NodeRound
 from spes.run.identity import settings_fingerprint
 from spes.run.layout import MODEL_FILE
 from spes.run.local_runs import node_state_root
@@ -39,7 +40,7 @@ def _sha(run, r):
 def _rounds(p, run, data, rounds, checkpoint_at=(), retain=True):
     for r in rounds:
         for i in (0, 1):
-            node_round(RoundContext.build(p, "r", run.store), r, i, data, checkpoint=r in checkpoint_at)
+            NodeRound(RoundContext.build(p, "r", run.store), r, i, data, checkpoint=r in checkpoint_at).run()
         aggregate_round(RoundContext.build(p, "r", run.store), r)
         if retain:
             run.retire(r, p.storage.keep_rounds, None, p.sync.overlap != "none")
@@ -55,11 +56,12 @@ def test_a_round_starts_from_the_nodes_own_model_and_uploads_only_what_it_traine
     run = start(p)
     starts, real = {}, node_module.train
 
-    def spy(ctx, r, node, data, start_model, *a, **kw):
-        starts[r, node] = {n: t.clone() for n, t in start_model.items()}
-        return real(ctx, r, node, data, start_model, *a, **kw)
+    def spy(local, begin, *a, **kw):
+        starts[local.r, local.node] = {n: t.clone() for n, t in begin.model.items()}
+        return real(local, begin, *a, **kw)
 
-    monkeypatch.setattr(node_module, "train", spy)
+    monkeypatch.setattr(node_module, "train", spy)  # a round asked for
+    monkeypatch.setattr(lookahead_module, "train", spy)  # a round trained ahead
     _rounds(p, run, data, (1, 2, 3), retain=False)
     method, g = sync_method(p), {r: _global(run, r) for r in (0, 1, 2)}
     s1, s2 = _state(p, run, 1, 0), _state(p, run, 2, 0)
@@ -113,7 +115,7 @@ def test_a_resume_on_another_machine_is_bitwise_and_retention_keeps_the_global_i
         p, run = overlapped(f"keep-{keep_before}")
         for r in (1, 2, 3):
             for i in (0, 1):
-                node_round(RoundContext.build(p, "r", run.store), r, i, data, checkpoint=r == 2)
+                NodeRound(RoundContext.build(p, "r", run.store), r, i, data, checkpoint=r == 2).run()
             aggregate_round(RoundContext.build(p, "r", run.store), r)
             run.retire(r, 2, None, keep_before)
         assert run.store.exists(run.layout.global_dir(1)) == keep_before
@@ -124,7 +126,7 @@ def test_a_resume_on_another_machine_is_bitwise_and_retention_keeps_the_global_i
             assert _sha(run, 4) == _sha(ref, 4)
         else:  # without the retention rule the resume cannot start, and says why
             with pytest.raises(NodeStateError, match="starts it from global 1 plus its own delta of round 2"):
-                node_round(RoundContext.build(p, "r", run.store), 3, 0, data)
+                NodeRound(RoundContext.build(p, "r", run.store), 3, 0, data).run()
 
 
 def test_rounds_trained_ahead_give_the_same_bits_and_are_taken_only_for_the_inputs_they_assumed(tmp_path, data,
@@ -134,13 +136,14 @@ def test_rounds_trained_ahead_give_the_same_bits_and_are_taken_only_for_the_inpu
     trains from what is committed). Both end bitwise equal to the same run with no thread."""
     trained, results, real = [], {}, node_module.train
 
-    def spy(ctx, r, node, data, start_model, *a, log_progress=True, **kw):
-        trained.append((r, node, "ahead" if not log_progress else "asked"))
-        out = real(ctx, r, node, data, start_model, *a, log_progress=log_progress, **kw)
-        results[r, node] = out
+    def spy(local, begin, *a, log_progress=True, **kw):
+        trained.append((local.r, local.node, "ahead" if not log_progress else "asked"))
+        out = real(local, begin, *a, log_progress=log_progress, **kw)
+        results[local.r, local.node] = out
         return out
 
     monkeypatch.setattr(node_module, "train", spy)
+    monkeypatch.setattr(lookahead_module, "train", spy)
     # the nodes share this test's process with the aggregator, whose one-thread section would change the
     # thread count (and so the float sums) of a round training ahead; a node process has no aggregator
     monkeypatch.setattr(aggregator_module, "one_torch_thread", contextlib.nullcontext)
@@ -160,7 +163,7 @@ def test_rounds_trained_ahead_give_the_same_bits_and_are_taken_only_for_the_inpu
         asked_fetch.clear()
         for r, nodes in ((1, (0, 1)), (2, (0, 1)), (3, (1,)), (4, (0, 1))):
             for i in nodes:
-                rep = node_round(RoundContext.build(p, "r", run.store), r, i, data, ahead=aheads[i])
+                rep = NodeRound(RoundContext.build(p, "r", run.store), r, i, data).run(aheads[i])
                 down[mode, r, i] = rep.bytes_down
             aggregate_round(RoundContext.build(p, "r", run.store), r, min_nodes=1)
         shas[mode] = [_sha(run, r) for r in (1, 2, 3, 4)]

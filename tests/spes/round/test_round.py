@@ -10,7 +10,7 @@ from spes.model.transformer import CausalLM
 from spes.round.aggregator import aggregate_round
 from spes.round.context import RoundContext
 from spes.round.fetch import delta_files
-from spes.round.node import node_report, node_round
+from spes.round.node import NodeRound, node_report
 from spes.run.identity import InitModel, settings_fingerprint
 from spes.run.layout import MODEL_FILE
 from spes.run.local_runs import node_state_root
@@ -47,7 +47,7 @@ def start(p: Params) -> Run:
 
 
 def do_round(p, run, data, r, nodes=(0, 1), **kw):
-    metas = [node_round(RoundContext.build(p, "r", run.store), r, i, data) for i in nodes]
+    metas = [NodeRound(RoundContext.build(p, "r", run.store), r, i, data).run() for i in nodes]
     return metas, aggregate_round(RoundContext.build(p, "r", run.store), r, **kw)
 
 
@@ -226,9 +226,9 @@ def test_fedadam_keeps_two_moments_per_tensor_beside_the_global_exact(tmp_path, 
 def test_a_retried_node_round_is_idempotent(tmp_path, data):
     p = make_params(tmp_path)
     run = start(p)
-    first = node_round(RoundContext.build(p, "r", run.store), 1, 0, data)
+    first = NodeRound(RoundContext.build(p, "r", run.store), 1, 0, data).run()
     before = run.store.read_manifest(run.layout.node_dir(1, 0))
-    again = node_round(RoundContext.build(p, "r", run.store), 1, 0, data)
+    again = NodeRound(RoundContext.build(p, "r", run.store), 1, 0, data).run()
     assert run.store.read_manifest(run.layout.node_dir(1, 0)) == before  # not recomputed, not rewritten
     assert again.upload == first.upload and again.bytes_up == first.bytes_up
 
@@ -237,7 +237,7 @@ def test_quorum_and_a_node_that_misses_a_round(tmp_path, data):
     p = make_params(tmp_path)
     run = start(p)
     do_round(p, run, data, 1)
-    node_round(RoundContext.build(p, "r", run.store), 2, 0, data)
+    NodeRound(RoundContext.build(p, "r", run.store), 2, 0, data).run()
     with pytest.raises(QuorumError, match=r"round 2: only nodes \[0\] committed, quorum is 2 of 2"):
         aggregate_round(RoundContext.build(p, "r", run.store), 2)
     agg = aggregate_round(RoundContext.build(p, "r", run.store), 2, min_nodes=1)
@@ -263,14 +263,14 @@ def test_a_corrupt_committed_upload_is_that_nodes_failure(tmp_path, data):
     run = start(p)
     do_round(p, run, data, 1)
     for i in (0, 1):
-        node_round(RoundContext.build(p, "r", run.store), 2, i, data)
+        NodeRound(RoundContext.build(p, "r", run.store), 2, i, data).run()
     f = tmp_path / "s-storage/runs/r/rounds/000002/nodes/000/shared.safetensors"
     f.write_bytes(f.read_bytes()[:-100])  # truncated after its commit
     with pytest.raises(UploadsRejected, match="node 0: .*nodes/000/shared.safetensors: (truncated|sha256/size)"):
         aggregate_round(RoundContext.build(p, "r", run.store), 2, rerun_rejected=True)
     assert not run.store.exists(run.layout.node_dir(2, 0))  # set aside, so the node can run the round again
     assert run.store.list_names("runs/r/rejected")[0].startswith("000002-000-")
-    node_round(RoundContext.build(p, "r", run.store), 2, 0, data)  # re-run from its round-1 state: the same upload
+    NodeRound(RoundContext.build(p, "r", run.store), 2, 0, data).run()  # re-run from its round-1 state: the same upload
     aggregate_round(RoundContext.build(p, "r", run.store), 2, rerun_rejected=True)
     do_round(p, run, data, 3)
     assert run.store.read_manifest(run.layout.global_dir(3))["files"][MODEL_FILE]["sha256"] == _reference(tmp_path, data)
@@ -292,12 +292,12 @@ def test_an_upload_whose_values_do_not_fit_is_set_aside_and_rerun(tmp_path, data
     run = start(p)
     do_round(p, run, data, 1)
     for i in (0, 1):
-        node_round(RoundContext.build(p, "r", run.store), 2, i, data)
+        NodeRound(RoundContext.build(p, "r", run.store), 2, i, data).run()
     poison_upload(str(tmp_path / "s-storage/runs/r/rounds/000002/nodes/000"), poison.get("scale", 1.0),
                   poison.get("nan", False), poison.get("fname"))
     with pytest.raises(UploadsRejected, match="node 0: .*nodes/000.*" + why):
         aggregate_round(RoundContext.build(p, "r", run.store), 2, rerun_rejected=True)
-    node_round(RoundContext.build(p, "r", run.store), 2, 0, data)
+    NodeRound(RoundContext.build(p, "r", run.store), 2, 0, data).run()
     aggregate_round(RoundContext.build(p, "r", run.store), 2, rerun_rejected=True)
     do_round(p, run, data, 3)
     assert run.store.read_manifest(run.layout.global_dir(3))["files"][MODEL_FILE]["sha256"] == _reference(tmp_path, data)
@@ -310,7 +310,7 @@ def test_a_scaled_upload_is_averaged_in_when_no_bound_is_set(tmp_path, data):
     p = make_params(tmp_path)
     run = start(p)
     for i in (0, 1):
-        node_round(RoundContext.build(p, "r", run.store), 1, i, data)
+        NodeRound(RoundContext.build(p, "r", run.store), 1, i, data).run()
     poison_upload(str(tmp_path / "s-storage/runs/r/rounds/000001/nodes/001"), 1000.0, False)
     assert aggregate_round(RoundContext.build(p, "r", run.store), 1).contributors == [0, 1]
 
@@ -345,8 +345,8 @@ def test_the_norm_bound_compares_each_node_with_the_median_of_the_others():
 def test_a_corrupt_upload_is_left_out_under_the_quorum(tmp_path, data):
     p = make_params(tmp_path)
     run = start(p)
-    node_round(RoundContext.build(p, "r", run.store), 1, 0, data)
-    node_round(RoundContext.build(p, "r", run.store), 1, 1, data)
+    NodeRound(RoundContext.build(p, "r", run.store), 1, 0, data).run()
+    NodeRound(RoundContext.build(p, "r", run.store), 1, 1, data).run()
     m = tmp_path / "s-storage/runs/r/rounds/000001/nodes/001/experts.safetensors"
     m.write_bytes(m.read_bytes()[:-1] + b"\x00")
     agg = aggregate_round(RoundContext.build(p, "r", run.store), 1, min_nodes=1)
@@ -357,7 +357,7 @@ def test_a_delta_against_another_base_is_rejected(tmp_path, data):
     p = make_params(tmp_path)
     run = start(p)
     do_round(p, run, data, 1)
-    node_round(RoundContext.build(p, "r", run.store), 2, 0, data)
+    NodeRound(RoundContext.build(p, "r", run.store), 2, 0, data).run()
     b = run.store.read_bundle(run.layout.node_dir(2, 0))
     run.store.remove(run.layout.node_dir(2, 0))
     run.store.write_bundle(run.layout.node_dir(2, 0), b.files, {**b.meta, "base_round": 0,
@@ -373,7 +373,7 @@ def test_node_state_is_the_one_the_global_was_built_with(tmp_path, data):
     run = start(p)
     do_round(p, run, data, 1)
     for i in (0, 1):
-        node_round(RoundContext.build(p, "r", run.store), 2, i, data, checkpoint=True)
+        NodeRound(RoundContext.build(p, "r", run.store), 2, i, data, checkpoint=True).run()
     aggregate_round(RoundContext.build(p, "r", run.store), 2)
     local = NodeStateDir(node_state_root(p), run.store.location, "r", run.info()["run_id"], 0)
     local.local.remove("rounds/000002")  # the node's own copy is lost: the checkpoint serves
@@ -381,7 +381,7 @@ def test_node_state_is_the_one_the_global_was_built_with(tmp_path, data):
     assert run.store.read_manifest(run.layout.global_dir(3))["files"][MODEL_FILE]["sha256"] == _reference(tmp_path, data)
     local.local.remove("rounds/000003")  # round 3 was no checkpoint round: nothing to fall back to
     with pytest.raises(NodeStateError, match=r"node 0: its state after round 3 .* round 3 is no checkpoint round"):
-        node_round(RoundContext.build(p, "r", run.store), 4, 0, data)
+        NodeRound(RoundContext.build(p, "r", run.store), 4, 0, data).run()
     assert not run.store.exists(run.layout.node_dir(4, 0))
 
     # its machine lost, node 0 may continue elsewhere from its latest checkpoint (round 2), saying so
@@ -393,7 +393,7 @@ def test_node_state_is_the_one_the_global_was_built_with(tmp_path, data):
         run.store.read_manifest(run.layout.global_dir(3))["files"][MODEL_FILE]["sha256"]  # the model: global 3
     assert read_inputs(RoundContext.build(p, "r", run.store), 4, 1, from_checkpoint=True).state.round == 3  # node 1 has its own
     assert run.last_checkpointed_state(0, 1) == (0, None)  # before any checkpoint: a fresh state
-    node_round(RoundContext.build(p, "r", run.store), 4, 0, data, from_checkpoint=True)
+    NodeRound(RoundContext.build(p, "r", run.store), 4, 0, data, from_checkpoint=True).run()
     assert run.store.exists(run.layout.node_dir(4, 0))
 
 
@@ -403,7 +403,7 @@ def test_non_finite_loss_stops_the_node_and_commits_nothing(tmp_path, data):
     p.sync.every_steps = 6
     run = start(p)
     with pytest.raises(NonFiniteLoss, match=r"node 0 round 1: (loss is nan at step \d|.* is not finite after step 5)"):
-        node_round(RoundContext.build(p, "r", run.store), 1, 0, data)
+        NodeRound(RoundContext.build(p, "r", run.store), 1, 0, data).run()
     assert not run.store.exists(run.layout.node_dir(1, 0))
 
 
@@ -416,7 +416,7 @@ def test_loss_settings_come_from_the_runs_params_not_round_zeros_config(tmp_path
         run = start(p)  # round 0 records the default coefficients
         if coef is not None:
             p.model.z_loss_coef = p.model.lm_head_z_loss_coef = coef
-        node_round(RoundContext.build(p, "r", run.store), 1, 0, data)
+        NodeRound(RoundContext.build(p, "r", run.store), 1, 0, data).run()
         shas.append(run.store.read_manifest(run.layout.node_dir(1, 0))["files"]["shared.safetensors"]["sha256"])
     assert shas[0] != shas[1]
 
@@ -438,7 +438,7 @@ def test_a_finished_run_keeps_on_the_node_machine_only_what_a_resume_needs(tmp_p
     for r in (1, 2):  # "done" to its end (its last round checkpointed, as the flow does); "open" one round
         for name in ("done", "open")[:1 if r == 2 else 2]:
             for i in (0, 1):
-                node_round(RoundContext.build(p, name, store), r, i, data, checkpoint=name == "done" and r == 2)
+                NodeRound(RoundContext.build(p, name, store), r, i, data, checkpoint=name == "done" and r == 2).run()
             aggregate_round(RoundContext.build(p, name, store), r)
     folder = os.path.join(node_state_root(p), os.listdir(node_state_root(p))[0])
 
@@ -458,7 +458,7 @@ def test_a_finished_run_keeps_on_the_node_machine_only_what_a_resume_needs(tmp_p
     # once retention lets global 1 go, nothing local is needed: node 0's first round of another run on this
     # machine removes the finished run's folder for node 0
     assert runs["done"].retire(2, 1) == [1]
-    node_round(RoundContext.build(p, "next", store), 1, 0, data)
+    NodeRound(RoundContext.build(p, "next", store), 1, 0, data).run()
     assert held() == {"done": {"node-001": ["rounds"]}, "open": {"node-000": ["base", "rounds"],
                       "node-001": ["base", "rounds"]}, "next": {"node-000": ["base", "rounds"]}}
     assert forget_finished_run(p, store, "done", 1).endswith("node-001")
@@ -527,8 +527,8 @@ def test_a_node_reads_each_manifest_once_per_round(tmp_path, data, monkeypatch):
     monkeypatch.setattr(Store, "read_manifest", counted)
     for r in (1, 2, 3):
         reads.clear()
-        node_round(RoundContext.build(p, "r", run.store), r, 0, data)
+        NodeRound(RoundContext.build(p, "r", run.store), r, 0, data).run()
         assert reads and max(reads.values()) == 1, (r, reads)
-        node_round(RoundContext.build(p, "r", run.store), r, 1, data)
+        NodeRound(RoundContext.build(p, "r", run.store), r, 1, data).run()
         aggregate_round(RoundContext.build(p, "r", run.store), r)
     assert {rel for _, rel in reads} >= {"base", "rounds/000002", "runs/r/rounds/000002/delta"}  # round 3's

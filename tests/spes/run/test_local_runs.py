@@ -9,7 +9,7 @@ import torch
 from spes.data.tokens import TokenData
 from spes.round.aggregator import aggregate_round
 from spes.round.context import RoundContext
-from spes.round.node import node_round
+from spes.round.node import NodeRound
 from spes.run.layout import MODEL_FILE
 from spes.run.local_runs import node_state_root, open_node_state
 from spes.run.node_state import NodeStateDir
@@ -25,7 +25,7 @@ def data(tiny_tokens):
 def _rounds(p, run, data, rounds):
     for r in rounds:
         for i in (0, 1):
-            node_round(RoundContext.build(p, "r", run.store), r, i, data)
+            NodeRound(RoundContext.build(p, "r", run.store), r, i, data).run()
         aggregate_round(RoundContext.build(p, "r", run.store), r)
 
 

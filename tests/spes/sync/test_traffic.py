@@ -5,7 +5,7 @@ import pytest
 from spes.data.tokens import TokenData
 from spes.round.aggregator import aggregate_round
 from spes.round.context import RoundContext
-from spes.round.node import node_round
+from spes.round.node import NodeRound
 from spes.sync.deltas import EXPERTS_FILE, SHARED_FILE
 from spes.sync.methods import sync_method
 from spes.sync.traffic import node_round_traffic
@@ -18,7 +18,7 @@ def test_the_planned_traffic_is_what_rounds_move(tmp_path, tiny_tokens, codec):
     run, data = start(p), TokenData.open(tiny_tokens)
     reports = {}
     for r in (1, 2, 3, 4):
-        reports[r] = [node_round(RoundContext.build(p, "r", run.store), r, i, data) for i in (0, 1)]
+        reports[r] = [NodeRound(RoundContext.build(p, "r", run.store), r, i, data).run() for i in (0, 1)]
         aggregate_round(RoundContext.build(p, "r", run.store), r)
     for r, kw in ((1, {"holds_previous": False}), (3, {"merging": True}), (4, {})):
         for rep in reports[r]:
