@@ -14,18 +14,21 @@ raises UploadsRejected (the caller re-runs those nodes), else they are left out 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
 from typing import Optional
 
+import torch
+
 from spes.errors import QuorumError, UploadsRejected
-from spes.round.attempt import RoundAttempt, one_torch_thread
+from spes.round.attempt import RoundAttempt
 from spes.round.context import RoundContext
-from spes.round.uploads import BadUpload, committed_uploads
+from spes.round.uploads import BadUpload, RoundBase, committed_uploads
 from spes.run.layout import MODEL_FILE
 from spes.run.membership import membership_of, next_membership, read_requests, stamp
-from spes.run.records import DeltaMeta, GlobalMeta, Membership, UploadMeta
+from spes.run.records import DeltaMeta, GlobalMeta
 from spes.run.rounds import next_index
 from spes.storage.store import BundleWriter
 
@@ -39,7 +42,7 @@ class Aggregator:
     driver and retention read, and the sync method and codec built once for the run."""
 
     def __init__(self, ctx: RoundContext):
-        self.p, self.store, self.run, self.layout = ctx.p, ctx.store, ctx.run, ctx.layout
+        self.ctx, self.p, self.store, self.run, self.layout = ctx, ctx.p, ctx.store, ctx.run, ctx.layout
         self.method, self.codec = ctx.method, ctx.codec
         self._held: Optional[tuple[tuple[int, str], dict]] = None  # ((round, sha256), tensors)
 
@@ -61,7 +64,7 @@ class Aggregator:
         """Combine the committed node uploads of round r into delta r and global r (with merging when due).
         Uploads that fail verification are moved aside; with `rerun_rejected` this raises UploadsRejected
         (the caller re-runs those nodes), else they are left out under the quorum."""
-        p, store, layout, method = self.p, self.store, self.layout, self.method
+        store, layout, method = self.store, self.layout, self.method
         if store.is_committed(layout.global_dir(r)):
             return self.run.global_meta(r)
         t0 = time.perf_counter()
@@ -72,8 +75,9 @@ class Aggregator:
         members = membership.members
         need = min(min_nodes if min_nodes is not None else len(members), len(members))
         rejected: dict[int, str] = {}
-        uploads, metas = committed_uploads(store, layout, r, base_sha, membership, p.sync.codec,
-                                           method.sparse_experts, rejected)
+        base = RoundBase(r, prev, prev_meta, membership)
+        fit = committed_uploads(self.ctx, base, rejected)
+        uploads = fit.uploads
         while True:
             for i in list(rejected):
                 if i in uploads or store.exists(layout.node_dir(r, i)):
@@ -85,22 +89,22 @@ class Aggregator:
                 raise QuorumError(f"round {r}: only nodes {sorted(uploads)} committed"
                                   + (f" ({len(rejected)} rejected)" if rejected else "")
                                   + f", quorum is {need} of {len(members)} (members {members})")
-            attempt = RoundAttempt(p, method, self.codec, store, layout, r, prev, prev_meta, membership, uploads,
-                                   metas, self._take_held(r - 1, base_sha))
+            attempt = RoundAttempt(self.ctx, base, fit, self._take_held(r - 1, base_sha))
             try:
                 with one_torch_thread():
-                    delta, glob, expert_files = attempt.run()
+                    written = attempt.run()
                 break
             except BadUpload as e:
                 rejected[e.node] = e.msg
-        return self._commit(r, t0, prev, prev_meta, membership, uploads, metas, rejected, attempt, delta, glob,
-                            expert_files)
+        return self._commit(attempt, written, rejected, t0)
 
-    def _commit(self, r: int, t0: float, prev: dict, prev_meta: GlobalMeta, membership: Membership,
-                uploads: dict[int, dict], metas: dict[int, UploadMeta], rejected: dict[int, str],
-                attempt: RoundAttempt, delta: BundleWriter, glob: BundleWriter, expert_files: dict) -> GlobalMeta:
+    def _commit(self, attempt: RoundAttempt, written: tuple[BundleWriter, BundleWriter, dict], rejected: dict[int, str],
+                t0: float) -> GlobalMeta:
         """Delta r, then global r with its meta (the next round's membership, the node states, the index)."""
         p, store, layout, method = self.p, self.store, self.layout, self.method
+        delta, glob, expert_files = written
+        r, prev, prev_meta, membership = attempt.r, attempt.prev, attempt.base.meta, attempt.base.membership
+        uploads, metas = attempt.contributions.uploads, attempt.contributions.metas
         base_sha = prev["files"][MODEL_FILE]["sha256"]
         num_experts = prev_meta.model_config.get("num_experts", 0)
         members = membership.members
@@ -135,3 +139,15 @@ def aggregate_round(ctx: RoundContext, r: int, min_nodes: Optional[int] = None,
                     rerun_rejected: bool = False) -> GlobalMeta:
     """One round's aggregation without a held global (tests, scripts): reads global r-1 from storage."""
     return Aggregator(ctx).aggregate(r, min_nodes, rerun_rejected)
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """Aggregation is memory-bound elementwise work; the other cores are better spent on the sha256 helper
+    threads (spes/storage/tensorio.py) than on torch's intra-op threads, which would compete with them."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)

@@ -6,19 +6,18 @@ hook in a merging round.
 from __future__ import annotations
 
 import contextlib
-import statistics
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
-from spes.config.schema import Params
 from spes.errors import IntegrityError
 from spes.model.names import expert_layer
-from spes.round.uploads import BadUpload
-from spes.run.layout import MODEL_FILE, OUTER_FILE, RESIDUAL_FILE, RunLayout
-from spes.run.records import ExpertRef, GlobalMeta, Membership, UploadMeta
-from spes.storage.store import BundleWriter, Store
-from spes.sync.codecs import Codec
+from spes.round.context import RoundContext
+from spes.round.uploads import BadUpload, Contributions, RoundBase, check_finite, check_norms
+from spes.run.layout import MODEL_FILE, OUTER_FILE, RESIDUAL_FILE
+from spes.run.records import ExpertRef
+from spes.storage.store import BundleWriter
 from spes.sync.deltas import (
     EXPERTS_FILE,
     MOMENTS_FILE,
@@ -30,7 +29,7 @@ from spes.sync.deltas import (
     experts_file,
     read_parts,
 )
-from spes.sync.method import SyncMethod, node_weights, weighted_sum
+from spes.sync.method import node_weights, weighted_sum
 
 
 def _shapes(entry: dict) -> dict[str, tuple[int, ...]]:
@@ -48,23 +47,42 @@ class _Cached:
         return self.tensors.pop(name)
 
 
-class RoundAttempt:
-    """One attempt at aggregating round r from a set of contributors."""
+@dataclass
+class Streams:
+    """An attempt's open readers (global r-1's files, the nodes' uploads) and writers (global r's files, delta
+    r's), opened together by `RoundAttempt.open` and closed together when its block ends."""
 
-    def __init__(self, p: Params, method: SyncMethod, codec: Codec, store: Store, layout: RunLayout, r: int,
-                 prev: dict, prev_meta: GlobalMeta, membership: Membership, uploads: dict[int, dict],
-                 metas: dict[int, UploadMeta], held: Optional[dict]):
-        self.p, self.method, self.codec, self.store, self.layout, self.r = p, method, codec, store, layout, r
-        self.prev, self.uploads, self.held = prev, uploads, held
-        self.nodes = sorted(uploads)
-        self.weights = node_weights([metas[i].tokens for i in self.nodes], p.sync.token_weighted)
-        self.owners = membership.owners
-        self.alpha = method.merge_alpha(r * p.sync.every_steps, prev_meta.model_config["num_experts"])
+    prev_model: Any
+    prev_outer: Any
+    prev_res: Any
+    shared_in: dict[int, Any]
+    experts_in: dict[int, Any]
+    w_model: Any
+    w_outer: Any
+    w_res: Any
+    w_shared: Any
+    w_experts: dict[int, Any]
+
+
+class RoundAttempt:
+    """One attempt at aggregating round r onto `base` from `contributions`; `held`: global r-1's tensors when
+    this process holds them (else read from storage)."""
+
+    def __init__(self, ctx: RoundContext, base: RoundBase, contributions: Contributions, held: Optional[dict]):
+        p, method = ctx.p, ctx.method
+        self.p, self.method, self.codec, self.store, self.layout = p, method, ctx.codec, ctx.store, ctx.layout
+        self.base, self.r, self.prev = base, base.r, base.manifest
+        self.uploads, self.held = contributions.uploads, held
+        self.nodes = sorted(self.uploads)
+        self.weights = node_weights([contributions.metas[i].tokens for i in self.nodes], p.sync.token_weighted)
+        self.owners = base.membership.owners
+        self.alpha = method.merge_alpha(self.r * p.sync.every_steps, base.meta.model_config["num_experts"])
         self.merging = self.alpha > 0
         self.expert_outer = method.has_expert_outer_step
         self.rewrite_experts = self.merging or self.expert_outer  # the delta carries experts of its own
-        self.shapes = _shapes(prev["files"][MODEL_FILE])
-        self.feedback = p.sync.error_feedback and not codec.exact
+        self.shapes = _shapes(self.prev["files"][MODEL_FILE])
+        self.feedback = p.sync.error_feedback and not self.codec.exact
+        self.contributions = contributions
 
     def rows(self, owner: int) -> list[int]:
         return list(self.owners[owner])
@@ -84,41 +102,24 @@ class RoundAttempt:
 
     def run(self) -> tuple[BundleWriter, BundleWriter, dict[str, ExpertRef]]:
         """Write the delta and global bundles (uncommitted); returns their writers and the expert files."""
-        prev_files, prev_dir = self.prev["files"], self.layout.global_dir(self.r - 1)
         averaged = {n: sh for n, sh in self.shapes.items() if self.method.is_averaged(n)}
         expert_names = {n: sh for n, sh in self.shapes.items() if n not in averaged}
         owners = [j for j in sorted(self.owners) if self.merging or j in self.uploads] if expert_names else []
         self.outer_specs = {n: self.method.outer_state_specs(n, averaged[n]) if n in averaged
                             else self.method.expert_state_specs(n, expert_names[n]) for n in sorted(self.shapes)}
-        outer_flat = [spec for n in sorted(self.shapes) for spec in self.outer_specs[n]]
         self.new_model: dict[str, torch.Tensor] = {}
         delta = BundleWriter(self.store, self.layout.delta_dir(self.r))
         glob = BundleWriter(self.store, self.layout.global_dir(self.r))
-        with contextlib.ExitStack() as st:
-            rd = lambda f: st.enter_context(self.store.open_reader(prev_dir, f, prev_files[f]))  # noqa: E731
-            prev_model = _Cached(self.held) if self.held is not None else rd(MODEL_FILE)
-            prev_outer = rd(OUTER_FILE) if outer_flat and OUTER_FILE in prev_files else None
-            prev_res = rd(RESIDUAL_FILE) if RESIDUAL_FILE in prev_files else None
-            shared_in = {i: self._node_reader(st, i, SHARED_FILE) for i in self.nodes}
-            experts_in = {i: self._node_reader(st, i, EXPERTS_FILE) for i in self.nodes} if expert_names else {}
-            w_model = st.enter_context(glob.stream(MODEL_FILE, [(n, torch.float32, self.shapes[n]) for n in sorted(self.shapes)]))
-            w_outer = st.enter_context(glob.stream(OUTER_FILE, outer_flat)) if outer_flat else None
-            w_res = st.enter_context(glob.stream(RESIDUAL_FILE, [(n, torch.float32, averaged[n]) for n in sorted(averaged)])) \
-                if self.feedback else None
-            w_shared = st.enter_context(delta.stream(SHARED_FILE, encoded_specs(self.codec, averaged)))
-            w_experts = {j: st.enter_context(delta.stream(experts_file(j), encoded_specs(
-                self.codec, {n: (len(self.rows(j)), *sh[1:]) for n, sh in expert_names.items()})))
-                for j in owners} if self.rewrite_experts else {}
+        with self.open(delta, glob, averaged, expert_names, owners) as io:
             for group in self._groups(sorted(self.shapes), averaged):
                 if group[0] in averaged:
-                    self._averaged(group[0], prev_model, prev_outer, prev_res, shared_in, w_model, w_outer, w_res,
-                                   w_shared)
+                    self._averaged(group[0], io)
                 else:
-                    self._experts(group, prev_model, prev_outer, experts_in, w_model, w_outer, w_experts)
-            for i, rdr in list(shared_in.items()) + list(experts_in.items()):
+                    self._experts(group, io)
+            for i, rdr in list(io.shared_in.items()) + list(io.experts_in.items()):
                 self._finish(i, rdr)
             if self.p.sync.average_optimizer_state:
-                self._moments(st, glob)
+                self._moments(glob)
         expert_files = {}
         for j in owners:
             ref = ExpertRef(rows=self.rows(j))
@@ -129,10 +130,34 @@ class RoundAttempt:
             expert_files[experts_file(j)] = ref
         return delta, glob, expert_files
 
-    def _moments(self, st, glob: BundleWriter) -> None:
+    @contextlib.contextmanager
+    def open(self, delta: BundleWriter, glob: BundleWriter, averaged: dict, expert_names: dict, owners: list[int]):
+        """The attempt's readers and writers as one record, all closed when the block ends."""
+        prev_files, prev_dir = self.prev["files"], self.layout.global_dir(self.r - 1)
+        outer_flat = [spec for n in sorted(self.shapes) for spec in self.outer_specs[n]]
+        with contextlib.ExitStack() as st:
+            self._stack = st
+            rd = lambda f: st.enter_context(self.store.open_reader(prev_dir, f, prev_files[f]))  # noqa: E731
+            model_specs = [(n, torch.float32, self.shapes[n]) for n in sorted(self.shapes)]
+            res_specs = [(n, torch.float32, averaged[n]) for n in sorted(averaged)]
+            yield Streams(
+                prev_model=_Cached(self.held) if self.held is not None else rd(MODEL_FILE),
+                prev_outer=rd(OUTER_FILE) if outer_flat and OUTER_FILE in prev_files else None,
+                prev_res=rd(RESIDUAL_FILE) if RESIDUAL_FILE in prev_files else None,
+                shared_in={i: self._node_reader(i, SHARED_FILE) for i in self.nodes},
+                experts_in={i: self._node_reader(i, EXPERTS_FILE) for i in self.nodes} if expert_names else {},
+                w_model=st.enter_context(glob.stream(MODEL_FILE, model_specs)),
+                w_outer=st.enter_context(glob.stream(OUTER_FILE, outer_flat)) if outer_flat else None,
+                w_res=st.enter_context(glob.stream(RESIDUAL_FILE, res_specs)) if self.feedback else None,
+                w_shared=st.enter_context(delta.stream(SHARED_FILE, encoded_specs(self.codec, averaged))),
+                w_experts={j: st.enter_context(delta.stream(experts_file(j), encoded_specs(
+                    self.codec, {n: (len(self.rows(j)), *sh[1:]) for n, sh in expert_names.items()})))
+                    for j in owners} if self.rewrite_experts else {})
+
+    def _moments(self, glob: BundleWriter) -> None:
         """sync.average_optimizer_state: the weighted mean of the nodes' Adam moments into the global bundle,
         tensor by tensor; every node's file must hold the same tensors."""
-        readers = {i: self._node_reader(st, i, MOMENTS_FILE) for i in self.nodes}
+        readers = {i: self._node_reader(i, MOMENTS_FILE) for i in self.nodes}
         specs = {i: _shapes(self.uploads[i]["files"][MOMENTS_FILE]) for i in self.nodes}
         first = specs[self.nodes[0]]
         for i in self.nodes:
@@ -151,13 +176,13 @@ class RoundAttempt:
         for i, rdr in readers.items():
             self._finish(i, rdr)
 
-    def _node_reader(self, st, i: int, fname: str):
+    def _node_reader(self, i: int, fname: str):
         rel = self.layout.node_dir(self.r, i)
         entry = self.uploads[i]["files"].get(fname)
         if entry is None:
             raise BadUpload(i, f"{self.store.url}/{rel}: no {fname}")
         try:
-            return st.enter_context(self.store.open_reader(rel, fname, entry))
+            return self._stack.enter_context(self.store.open_reader(rel, fname, entry))
         except IntegrityError as e:
             raise BadUpload(i, str(e)) from None
 
@@ -174,24 +199,7 @@ class RoundAttempt:
         return parts
 
     def _check_finite(self, name: str, decoded: dict[int, torch.Tensor], readers: dict) -> None:
-        """Values are checked too, where they are decoded anyway: node i's decoded delta of `name` (or its
-        rows of prev + delta, which are finite exactly when the delta is) must hold no NaN or inf."""
-        for i, t in decoded.items():
-            if not bool(torch.isfinite(t).all()):
-                raise BadUpload(i, f"{readers[i].where}: {name} decodes to non-finite values (NaN or inf)")
-
-    def _check_norms(self, name: str, deltas: list[torch.Tensor]) -> None:
-        """sync.max_delta_norm_ratio: a node's delta of `name` far above the other nodes' median is set aside."""
-        k = self.p.sync.max_delta_norm_ratio
-        if k is None or len(deltas) < 2:
-            return
-        norms = [float(torch.linalg.vector_norm(d.double())) for d in deltas]
-        for j, i in enumerate(self.nodes):
-            median = statistics.median(norms[:j] + norms[j + 1:])
-            if median > 0 and norms[j] > k * median:
-                raise BadUpload(i, f"{self.store.url}/{self.layout.node_dir(self.r, i)}: its delta of {name} has "
-                                   f"norm {norms[j]:.4g}, {norms[j] / median:.1f}x the other nodes' median "
-                                   f"{median:.4g} (sync.max_delta_norm_ratio {k:g})")
+        check_finite(name, decoded, {i: readers[i].where for i in decoded})
 
     def _finish(self, i: int, rdr) -> None:
         try:
@@ -199,34 +207,37 @@ class RoundAttempt:
         except IntegrityError as e:
             raise BadUpload(i, str(e)) from None
 
-    def _averaged(self, name, prev_model, prev_outer, prev_res, shared_in, w_model, w_outer, w_res, w_shared):
+    def _averaged(self, name: str, io: Streams) -> None:
         shape, specs = self.shapes[name], self.outer_specs[name]
-        prev_t = prev_model.read(name)
+        prev_outer, prev_res, shared_in, w_outer, w_res = io.prev_outer, io.prev_res, io.shared_in, io.w_outer, io.w_res
+        prev_t = io.prev_model.read(name)
         deltas = [self.codec.decode(name, self._read(i, shared_in[i], name, shape), shape) for i in self.nodes]
         self._check_finite(name, dict(zip(self.nodes, deltas)), shared_in)
-        self._check_norms(name, deltas)
+        check_norms(name, dict(zip(self.nodes, deltas)), self.p.sync.max_delta_norm_ratio,
+                    {i: f"{self.store.url}/{self.layout.node_dir(self.r, i)}" for i in self.nodes})
         state = {key: prev_outer.read(key) for key, _, _ in specs} if prev_outer is not None else {}
         change, new_state = self.method.global_change(name, deltas, self.weights, state)
         residual = {name: prev_res.read(name)} if prev_res is not None else None
         parts, new_res = encode_with_feedback(self.codec, name, change, residual, self.feedback)
         for part in sorted(parts):
-            w_shared.write(part, parts[part])
-        self._put(w_model, name, add_decoded(prev_t, self.codec, name, parts))
+            io.w_shared.write(part, parts[part])
+        self._put(io.w_model, name, add_decoded(prev_t, self.codec, name, parts))
         if w_outer is not None:
             for key, _, _ in specs:
                 w_outer.write(key, new_state[key])
         if w_res is not None:
             w_res.write(name, new_res)
 
-    def _experts(self, group, prev_model, prev_outer, experts_in, w_model, w_outer, w_experts):
-        prevs = {n: prev_model.read(n) for n in group}
+    def _experts(self, group: list[str], io: Streams) -> None:
+        experts_in, w_model, w_experts = io.experts_in, io.w_model, io.w_experts
+        prevs = {n: io.prev_model.read(n) for n in group}
         shapes = {n: self.shapes[n] for n in group}
-        up = {n: {} for n in group}  # name -> node -> parts, read in file order
+        up: dict[str, dict[int, dict]] = {n: {} for n in group}  # name -> node -> parts, read in file order
         for n in group:
             for i in self.nodes:
                 up[n][i] = self._read(i, experts_in[i], n, (len(self.rows(i)), *shapes[n][1:]))
         # prev + each owner's delta (through the method's outer step on experts when it has one), checked
-        target = {n: self._expert_target(n, prevs[n], up[n], prev_outer, w_outer, experts_in) for n in group}
+        target = {n: self._expert_target(n, prevs[n], up[n], io) for n in group}
         if not self.rewrite_experts:  # the owners' uploads are the delta: target is what the nodes add up too
             for n in group:
                 self._put(w_model, n, target[n])
@@ -241,10 +252,10 @@ class RoundAttempt:
             owners = sorted(send[n])  # sorted, like apply_delta on the nodes: the same bits
             self._put(w_model, n, add_decoded_rows(prevs[n], [(self.rows(j), send[n][j]) for j in owners], self.codec, n))
 
-    def _expert_target(self, name: str, prev: torch.Tensor, parts: dict, prev_outer, w_outer,
-                       readers: dict) -> torch.Tensor:
+    def _expert_target(self, name: str, prev: torch.Tensor, parts: dict, io: Streams) -> torch.Tensor:
         """Expert tensor `name` after its owners' deltas, through the method's outer step on experts when it
         has one (its state read and written in name order, beside the averaged tensors')."""
+        prev_outer, w_outer, readers = io.prev_outer, io.w_outer, io.experts_in
         owned = [(self.rows(i), parts[i]) for i in self.nodes]
         if not self.expert_outer:
             target = add_decoded_rows(prev, owned, self.codec, name)
@@ -266,15 +277,3 @@ class RoundAttempt:
     def _put(self, w_model, name: str, t: torch.Tensor) -> None:
         w_model.write(name, t)
         self.new_model[name] = t
-
-
-@contextlib.contextmanager
-def one_torch_thread():
-    """Aggregation is memory-bound elementwise work; the other cores are better spent on the sha256 helper
-    threads (spes/storage/tensorio.py) than on torch's intra-op threads, which would compete with them."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
