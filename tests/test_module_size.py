@@ -24,3 +24,23 @@ def test_no_function_over_60_lines():
                 if n > MAX_FUNCTION_LINES:
                     long.append(f"{mod}.{node.name}: {n} lines")
     assert long == [], ROOT
+
+
+MAX_ROUND_PARAMETERS = 6
+
+
+def test_no_function_of_the_round_takes_more_than_6_parameters():
+    """spes/round/ reads in one sitting (issue 47, item 3): what travels together is one record (a RoundBase,
+    the Contributions, a Reading, the Streams of an attempt), not a row of arguments. `self` is not counted."""
+    wide = []
+    for mod, path in _modules().items():
+        if not mod.startswith("spes.round."):
+            continue
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                n = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg)
+                n -= bool(a.args and a.args[0].arg in ("self", "cls"))
+                if n > MAX_ROUND_PARAMETERS:
+                    wide.append(f"{mod}.{node.name}: {n} parameters")
+    assert wide == []

@@ -4,19 +4,19 @@ spes/sync/deltas.py's; this is the reading of it from storage."""
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 from safetensors.torch import load as st_load
 
 from spes.errors import IntegrityError, NotCommitted, RecordError
+from spes.round.context import RoundContext
 from spes.run.layout import MODEL_FILE, RunLayout
 from spes.run.records import DeltaMeta
 from spes.storage.store import Store
 from spes.storage.tensorio import tensors_sha256
-from spes.sync.codecs import Codec
 from spes.sync.deltas import apply_delta
-from spes.sync.method import SyncMethod
 
 log = logging.getLogger("spes.round.fetch")
 
@@ -45,17 +45,33 @@ def delta_files(store: Store, layout: RunLayout, q: int, dm: dict, local_files: 
     return files
 
 
-def fetch_global(store: Store, layout: RunLayout, r: int, manifest: dict, codec: Codec, method: SyncMethod, base, load_base,
-                 local_files: Optional[dict[str, tuple[str, dict]]] = None) -> tuple[dict[str, torch.Tensor], str]:
-    """Global round r for a node holding `base` = (round, sha256) (loaded by `load_base()`): rebuilt from the
-    delta bundles since its base (each step checked against the committed sha256), or the whole committed
-    model when the chain is missing. `local_files` = {fname: (sha256, tensors)} the node already holds (its
-    own last upload), read from here instead of storage. `manifest` is global r's. Returns (tensors, sha256)."""
+@dataclass
+class Chain:
+    """Where a node's rebuild of a global starts: the global it holds, `mark` = (round, sha256), loaded by
+    `load()`; `local_files` = {fname: (sha256, tensors)} it holds too (its own last upload), read from here
+    instead of storage."""
+
+    mark: Optional[tuple[int, str]]
+    load: Callable[[], dict]
+    local_files: Optional[dict[str, tuple[str, dict]]] = None
+
+
+def fetch_global(ctx: RoundContext, r: int, manifest: dict, chain: Optional[Chain] = None,
+                 store: Optional[Store] = None) -> tuple[dict[str, torch.Tensor], str]:
+    """Global r for a node holding `chain`'s global: rebuilt from the delta bundles since it (each step checked
+    against the committed sha256), or the whole committed model when the chain is missing. `manifest` is
+    global r's; `store`: the context's storage counted apart (a prefetch), else the context's. Returns
+    (tensors, sha256)."""
+    store = store if store is not None else ctx.store
+    layout, codec, method = ctx.layout, ctx.codec, ctx.method
+    base = chain.mark if chain is not None else None
+    local_files = chain.local_files if chain is not None else None
     want = manifest["files"][MODEL_FILE]["sha256"]
     if base is not None and base[0] <= r:
         k, sha = base
         try:
-            tensors = load_base()
+            assert chain is not None
+            tensors = chain.load()
         except IntegrityError:  # the copy held here is damaged (the loader says which): the committed one
             return store.read_bundle(layout.global_dir(r), [MODEL_FILE], manifest).files[MODEL_FILE], want
         for q in range(k + 1, r + 1):

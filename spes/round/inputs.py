@@ -17,7 +17,7 @@ import torch
 
 from spes.errors import IntegrityError, MembershipError, NodeStateError, NotCommitted, ProtocolError, StorageError
 from spes.round.context import RoundContext
-from spes.round.fetch import fetch_global
+from spes.round.fetch import Chain, fetch_global
 from spes.run.layout import MODEL_FILE
 from spes.run.local_runs import open_node_state, tidy_other_runs_once
 from spes.run.membership import membership_of
@@ -127,8 +127,7 @@ def read_inputs(ctx: RoundContext, r: int, node: int, from_checkpoint: bool = Fa
     if held_prev is not None and held_prev.sha256 == want:
         prev, prev_sha = held_prev.tensors, want
     else:
-        prev, prev_sha = fetch_global(store, layout, r - 1, prev_manifest, ctx.codec, ctx.method, held.mark,
-                                      held.load, own_cached)
+        prev, prev_sha = fetch_global(ctx, r - 1, prev_manifest, Chain(held.mark, held.load, own_cached))
     owned = tuple(membership.owners[node])
     if state is not None and state.owned is not None and state.owned != owned:
         gave, took = sorted(set(state.owned) - set(owned)), sorted(set(owned) - set(state.owned))
@@ -136,7 +135,7 @@ def read_inputs(ctx: RoundContext, r: int, node: int, from_checkpoint: bool = Fa
                     f"; gave away {gave}" if gave else "",
                     f"; took over {took}, which start with a fresh optimizer state" if took else "")
     position = state.data_position if state is not None else (r - 1) * p.sync.every_steps
-    start = _start_model(ctx, r, node, state, owned, prev, held, known)
+    start = _start_model(ctx, r, node, state, owned, AtHand(prev, held, known))
     # kept here after the start is built: an overlapped start may read the global held before it
     if held.mark != (r - 1, prev_sha) and local.save_base(r - 1, prev) != prev_sha:
         raise StorageError(f"node {node}: global {r - 1} as held here does not hash to the committed {prev_sha[:12]}")
@@ -144,10 +143,21 @@ def read_inputs(ctx: RoundContext, r: int, node: int, from_checkpoint: bool = Fa
                        position, start)
 
 
+@dataclass
+class AtHand:
+    """The globals a node has at hand for round r: global r-1 as read, the one kept on its machine, and those
+    this process holds in memory (round -> global)."""
+
+    prev: dict
+    held: HeldBase
+    known: dict[int, HeldGlobal]
+
+
 def _start_model(ctx: RoundContext, r: int, node: int, state: Optional[NodeState], owned: tuple[int, ...],
-                 prev: dict, held: HeldBase, known: dict[int, HeldGlobal]) -> dict:
+                 at_hand: AtHand) -> dict:
     """The model round r trains from: global r-1, or with sync.overlap the node's own model after round r-1
     (the global its delta of round r-1 was taken against, plus that delta)."""
+    prev, held, known = at_hand.prev, at_hand.held, at_hand.known
     if ctx.p.sync.overlap == "none" or state is None or state.sent is None or state.sent_base is None:
         return prev
     if state.round != r - 1 or (state.owned is not None and state.owned != owned):
@@ -167,7 +177,7 @@ def _start_model(ctx: RoundContext, r: int, node: int, state: Optional[NodeState
         where = f"{ctx.store.url}/{ctx.layout.global_dir(q)}"
         try:
             manifest = ctx.run.global_manifest(q)
-            base, got = fetch_global(ctx.store, ctx.layout, q, manifest, ctx.codec, ctx.method, None, None)
+            base, got = fetch_global(ctx, q, manifest)
         except (NotCommitted, IntegrityError) as e:
             raise NodeStateError(f"node {node} round {r}: sync.overlap starts it from global {q} plus its own delta "
                                  f"of round {r - 1}, and global {q} cannot be read from {where} ({e}); resume from "

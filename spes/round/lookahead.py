@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from spes.errors import StorageError
-from spes.round.fetch import fetch_global
+from spes.round.fetch import Chain, fetch_global
 from spes.round.inputs import HeldGlobal, RoundInputs
 from spes.round.steps import Assignment, LocalRound, Start, Trained, train
 from spes.sync.deltas import EXPERTS_FILE, experts_file, with_own_delta
@@ -206,8 +206,8 @@ class TrainAhead:
         def fetch() -> tuple[HeldGlobal, int]:
             apart = store.counted_apart()  # its bytes alone, whatever else reads meanwhile
             mark, manifest = apart.read_marked(layout.global_dir(r))
-            tensors, sha = fetch_global(apart, layout, r, manifest, ctx.codec, ctx.method, (r - 1, inputs.prev_sha),
-                                        lambda: inputs.prev, own)
+            tensors, sha = fetch_global(ctx, r, manifest, Chain((r - 1, inputs.prev_sha), lambda: inputs.prev, own),
+                                        apart)
             if inputs.local.save_base(r, tensors) != sha:  # kept here too, out of the next round's own time
                 raise StorageError(f"node {node}: global {r} as kept here does not hash to the committed {sha[:12]}")
             return HeldGlobal(sha, tensors, mark, manifest), apart.bytes_read

@@ -6,11 +6,10 @@ import logging
 import pytest
 
 from spes.data.tokens import TokenData
-from spes.round.fetch import fetch_global
+from spes.round.context import RoundContext
+from spes.round.fetch import Chain, fetch_global
 from spes.run.layout import MODEL_FILE
 from spes.storage.tensorio import tensors_sha256
-from spes.sync.codecs import make_codec
-from spes.sync.methods import sync_method
 from tests.spes.round.test_round import do_round, make_params, start
 
 
@@ -41,8 +40,8 @@ def _fetch(p, run, base_round=1, base_sha=None, tamper=False):
     read_bundle = run.store.read_bundle
     run.store.read_bundle = lambda rel, *a, **k: whole.append(rel) or read_bundle(rel, *a, **k)
     try:
-        tensors, sha = fetch_global(run.store, run.layout, 3, manifest, make_codec(p.sync.codec),
-                                    sync_method(p), base, lambda: dict(g1))
+        tensors, sha = fetch_global(RoundContext.build(p, run.name, run.store), 3, manifest,
+                                    Chain(base, lambda: dict(g1)))
     finally:
         del run.store.read_bundle
     assert sha == manifest["files"][MODEL_FILE]["sha256"] == tensors_sha256(tensors)  # the committed model

@@ -149,9 +149,9 @@ def test_rounds_trained_ahead_give_the_same_bits_and_are_taken_only_for_the_inpu
     monkeypatch.setattr(aggregator_module, "one_torch_thread", contextlib.nullcontext)
     asked_fetch, real_fetch = [], inputs_module.fetch_global
 
-    def counted_fetch(store, layout, r, *a, **kw):  # the round's own read of global r-1 (not the prefetch's)
+    def counted_fetch(ctx, r, *a, **kw):  # the round's own read of global r-1 (not the prefetch's)
         asked_fetch.append(r + 1)
-        return real_fetch(store, layout, r, *a, **kw)
+        return real_fetch(ctx, r, *a, **kw)
 
     monkeypatch.setattr(inputs_module, "fetch_global", counted_fetch)
     shas, down = {}, {}
