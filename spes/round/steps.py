@@ -139,9 +139,14 @@ def train(local: LocalRound, begin: Start, on_step: Optional[Callable[[int], Non
     t1 = time.perf_counter()
     first_step = (r - 1) * steps
     every = p.orchestration.log_every_steps  # a round trained ahead keeps its timeline, but logs nothing
+    hooks = method.node_hooks(r, node)
     for i in range(steps):
         x, y = stream.next()  # the node's batch; this rank's rows of it
         m = trainer.train_step(x[share], y[share], first_step + i)
+        for hook in hooks:
+            if hook.wants(i):
+                with torch.no_grad():
+                    hook(i, dict(trainer.trainable_named_parameters()))
         losses.append(m.ce)
         if m.grad_norm is not None:
             norms.append(m.grad_norm)

@@ -1,6 +1,7 @@
 """The interface every sync method implements: who trains what, which tensors are averaged, how their mean
 delta becomes the global's change (an outer optimizer that owns its per-tensor state), and whether a round
-merges experts (a hook the aggregator calls on one layer's expert tensors at a time).
+merges experts (a hook the aggregator calls on one layer's expert tensors at a time); and on the nodes, hooks
+their local steps run at chosen steps (`node_hooks`, `LocalStepHook`).
 
 The aggregator and the nodes ask the method; none of them compares a method's name or knows the layout of
 its state. The methods themselves are in spes/sync/methods.py (and one module each for those that bring
@@ -127,8 +128,29 @@ class SyncMethod(ABC):
         """One MoE layer's expert tensors (canonical name -> E x ...) after merging with `alpha`."""
         raise AggregationError(f"sync method {self.name!r} does not merge experts")
 
+    # -- the node-side hook ----------------------------------------------------------------------------
+    def node_hooks(self, r: int, node: int) -> list["LocalStepHook"]:
+        """What the method does on the node itself during round r, beyond training: hooks the node's local
+        steps run after the steps they name (none for the methods so far)."""
+        return []
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name})"
+
+
+class LocalStepHook(ABC):
+    """A sync method's part in a node's local steps: run after the steps it names, on the node's live trained
+    parameters (name -> parameter, under no_grad), so that a method changing local training (fold the global
+    in mid-round, correct each step with control variates) is one class and `SyncMethod.node_hooks`.
+    Deterministic by construction: it runs at fixed steps, never at an arrival time."""
+
+    @abstractmethod
+    def wants(self, step: int) -> bool:
+        """Whether it runs after local step `step` of the round (0-based)."""
+
+    @abstractmethod
+    def __call__(self, step: int, params: dict[str, torch.Tensor]) -> None:
+        """Change `params` in place (its rank's part of them on a sharded node)."""
 
 
 class FullModelMethod(SyncMethod):
