@@ -31,6 +31,11 @@ def fmt_loss(x: Optional[float]) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4g}"
 
 
+def fmt_metrics(metrics: dict) -> str:
+    """A round's named metrics for its table's description: ', heldout_accuracy 0.3125, ...' ('' without)."""
+    return "".join(f", {name} {fmt_loss(v)}" for name, v in sorted(metrics.items()))
+
+
 def fmt_experts(experts) -> str:
     """[0, 1, 2, 5] -> '0-2, 5'."""
     out, run = [], []

@@ -26,7 +26,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.futures import wait
 
 from pipelines.executors import executor_for
-from pipelines.formatting import fmt_balance, fmt_bytes, fmt_experts, fmt_loss, fmt_seconds
+from pipelines.formatting import fmt_balance, fmt_bytes, fmt_experts, fmt_loss, fmt_metrics, fmt_seconds
 from pipelines.round_progress import RoundProgress
 from spes.config.schema import Params
 from spes.errors import retryable
@@ -159,13 +159,18 @@ def round_task(p: Params, run: str, r: int, checkpoint: bool = False, tokens_key
                                             retry_condition_fn=worth_retrying)
     record = run_round(ctx, r, _node_runner(p, run, r, deadline, tokens_key),
                        lambda rerun: aggregate(p, run, r, rerun), checkpoint, HeldOutProbe(p))
-    agg, heldout = record.aggregate, record.heldout_loss
-    for line in agg.membership_changes:
+    for line in record.aggregate.membership_changes:
         get_run_logger().warning("round %d: %s", r, line)
-    changes = f"; membership: {'; '.join(agg.membership_changes)}" if agg.membership_changes else ""
-    create_table_artifact(_table(record.nodes, agg), key=artifact_key(run, "round", r),
-                          description=f"Round {r}: contributors {agg.contributors}, missing {agg.missing}{changes}, "
-                                      f"merge alpha {agg.merge_alpha:.4g}, held-out loss {fmt_loss(heldout)}, "
-                                      f"wall {fmt_seconds(record.wall_s)} (+ {fmt_seconds(record.heldout_s)} "
-                                      "held-out evaluation)")
+    create_table_artifact(_table(record.nodes, record.aggregate), key=artifact_key(run, "round", r),
+                          description=table_description(record))
     return record
+
+
+def table_description(record: RoundRecord) -> str:
+    """The round table's line in the UI: who contributed, the merge, the held-out loss and every other metric
+    of the round's record by name, and the times."""
+    agg = record.aggregate
+    changes = f"; membership: {'; '.join(agg.membership_changes)}" if agg.membership_changes else ""
+    return (f"Round {record.round}: contributors {agg.contributors}, missing {agg.missing}{changes}, merge alpha "
+            f"{agg.merge_alpha:.4g}, held-out loss {fmt_loss(record.heldout_loss)}{fmt_metrics(record.metrics)}, "
+            f"wall {fmt_seconds(record.wall_s)} (+ {fmt_seconds(record.heldout_s)} held-out evaluation)")

@@ -106,12 +106,7 @@ def run_cell(a) -> None:
     docs = window_documents(data.val, data.eos_id, p.eval.seq_len, len(starts), starts)
     ev["se"] = clustered_se(ev["per_window"], docs)  # windows of one document are not independent
     records = run_.records(1, last)
-    tokens, curve = 0, []
-    for rec in records:
-        tokens += rec.tokens
-        if rec.heldout_loss is not None:  # with each window of the round's slice where the record kept them
-            curve.append({"round": rec.round, "tokens": tokens, "heldout_loss": rec.heldout_loss,
-                          **({"windows": rec.heldout_windows} if rec.heldout_windows else {})})
+    tokens, curve = _curve(records)
     rows = [n for rec in records for n in rec.nodes if n.ok]
     mem = node_memory(dataclasses.replace(vp, model=model.cfg), 0)  # the trained model's own config
     result = {"variant": cell.variant, "seed": cell.seed, "lr": cell.lr, "budget": cell.budget, "run": cell.run_name,
@@ -123,10 +118,23 @@ def run_cell(a) -> None:
               "num_experts": vp.model.num_experts,
               "bytes_per_node_per_round": sum(n.bytes_up + n.bytes_down for n in rows) / max(1, len(rows)),
               "wall_s": sum(rec.wall_s for rec in records), "curve": curve, "round_windows": p.eval.round_windows,
+              "metrics": {"heldout_accuracy": ev["accuracy"]},
               "round_window_documents": round_window_documents(p, data), "machine": machine_kind()}
     os.makedirs(a.out, exist_ok=True)
     write_json(os.path.join(a.out, "result.json"), result)
     print(f"compare: {cell.run_name}: held-out loss {ev['loss']:.4f} (SE {ev['se']:.4f}) after {tokens} tokens")
+
+
+def _curve(records) -> tuple[int, list[dict]]:
+    """The run's tokens and its per-round held-out curve, with each window of the round's slice where the
+    record kept them."""
+    tokens, curve = 0, []
+    for rec in records:
+        tokens += rec.tokens
+        if rec.heldout_loss is not None:
+            curve.append({"round": rec.round, "tokens": tokens, "heldout_loss": rec.heldout_loss,
+                          **({"windows": rec.heldout_windows} if rec.heldout_windows else {})})
+    return tokens, curve
 
 
 def machine_kind() -> str:
@@ -156,8 +164,8 @@ def round_window_documents(p, data) -> list[int]:
 
 
 def report(a) -> None:
-    from spes.eval.compare import CSV_COLUMNS, PAIR_COLUMNS, cells, summarize
-    from spes.eval.report import report_markdown
+    from spes.eval.compare import cells, summarize
+    from spes.eval.report import PAIR_COLUMNS, csv_columns, report_markdown
 
     p, node_memory = _load(a.params)
     out = a.dir or os.path.join(p.artifacts_dir, "compare")
@@ -179,7 +187,7 @@ def report(a) -> None:
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(md)
     with open(os.path.join(out, "report.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        w = csv.DictWriter(f, fieldnames=csv_columns(summary["rows"]), extrasaction="ignore")
         w.writeheader()
         w.writerows(summary["rows"])
     with open(os.path.join(out, "pairs.csv"), "w", newline="") as f:  # written (maybe empty): a DVC out

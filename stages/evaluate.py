@@ -91,6 +91,7 @@ def main() -> None:
     with torch.no_grad():
         parity = (to_hf(model)(x).logits - model(x).logits).abs().max().item()
     metrics = {"final_round": rounds[-1], "heldout_loss": final["loss"], "heldout_perplexity": final["perplexity"],
+               "heldout_accuracy": final["accuracy"],
                "untrained_heldout_loss": untrained, "initial_heldout_loss": initial,
                "hf_max_abs_logit_diff": parity, "eval_tokens": final["tokens"], "train_tokens": tokens}
     if e.lm_eval_tasks:

@@ -1,18 +1,27 @@
-"""Small modules with one job each, functions that fit on a screen (issue 30, item 5): no module of spes/,
-pipelines/ or stages/ over 300 lines, no function over 60. A module that grows past it is split by concern
-(e.g. spes/run/rounds.py beside spes/run/run.py), not allowed an exception here."""
+"""Small modules with one job each, functions that fit on a screen (issue 30, item 5; issue 47, item 7): a
+module of spes/, pipelines/ or stages/ over 300 lines is flagged (a warning in the test summary: time to see
+whether its concerns diverge), over 400 fails; no function over 60 lines. A module is split by concern (e.g.
+spes/run/rounds.py beside spes/run/run.py), not squeezed to win a count."""
 import ast
+import warnings
 
 from tests.test_layers import ROOT, _modules
 
-MAX_MODULE_LINES = 300
+FLAG_MODULE_LINES = 300
+MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 
 
-def test_no_module_over_300_lines():
-    long = {mod: n for mod, path in _modules().items()
-            if (n := len(open(path, encoding="utf-8").read().splitlines())) > MAX_MODULE_LINES}
-    assert long == {}
+def _module_lines() -> dict[str, int]:
+    return {mod: len(open(path, encoding="utf-8").read().splitlines()) for mod, path in _modules().items()}
+
+
+def test_no_module_over_400_lines_and_those_over_300_are_flagged():
+    lines = _module_lines()
+    flagged = {mod: n for mod, n in lines.items() if FLAG_MODULE_LINES < n <= MAX_MODULE_LINES}
+    if flagged:
+        warnings.warn(f"modules over {FLAG_MODULE_LINES} lines (do their concerns diverge?): {flagged}", stacklevel=1)
+    assert {mod: n for mod, n in lines.items() if n > MAX_MODULE_LINES} == {}
 
 
 def test_no_function_over_60_lines():

@@ -165,11 +165,18 @@ def summarize(p: Params, results: list[dict]) -> dict:
                 "state_bytes_per_node": runs[0].get("state_bytes_per_node"),
                 "num_experts": runs[0].get("num_experts"),
                 "bytes_per_node_per_round": statistics.fmean(r["bytes_per_node_per_round"] for r in runs),
-                "wall_s": statistics.fmean(r["wall_s"] for r in runs)})
+                "wall_s": statistics.fmean(r["wall_s"] for r in runs), **metric_means(runs)})
     return {"rows": rows, "sweep": {f"{v}|{b}|{lr}": ms for (v, b, lr), ms in sorted(sweep.items())},
             "pairs": paired_comparisons(p, by), "round_pairs": round_pairs(p, by),
             "frontier": frontier(p, rows, by), "slice": slice_agreement(results), "reach": reach_table(p, rows, by),
             "heldout": heldout_set(p, results), "machines": machine_kinds(results)}
+
+
+def metric_means(runs: list[dict]) -> dict[str, float]:
+    """'<name>_mean' over seeds of each metric every run has (result.json `metrics`, by name: a run made
+    before a metric existed leaves it out of the row)."""
+    names = set.intersection(*(set(r.get("metrics") or {}) for r in runs)) if runs else set()
+    return {f"{n}_mean": statistics.fmean(r["metrics"][n] for r in runs) for n in sorted(names)}
 
 
 def paired_comparisons(p: Params, runs: dict) -> list[dict]:
@@ -280,11 +287,3 @@ def frontier(p: Params, rows: list[dict], runs: Optional[dict] = None) -> list[d
             x["diff_to_base_interval"], x["diff_to_base_interval_se"] = paired_difference(
                 runs[(x["variant"], x["budget"], x["lr"])], runs[(base["variant"], base["budget"], base["lr"])])
     return sorted(out, key=lambda x: (x["budget"], x["method"], x["sync_steps"]))
-
-
-CSV_COLUMNS = ["variant", "budget", "seeds", "lr", "heldout_loss_mean", "heldout_loss_std", "heldout_loss_se",
-               "ratio_to_centralized", "diff_to_baseline", "diff_to_baseline_se", "tokens",
-               "trainable_params_per_node", "memory_bytes_per_node", "peak_bytes_per_node",
-               "bytes_per_node_per_round", "wall_s", "num_experts", "state_bytes_per_node"]
-PAIR_COLUMNS = ["variant", "reference", "budget", "lr", "seeds", "diff", "diff_se", "per_seed", "seed_se", "verdict",
-                "doc_diff", "doc_diff_se", "doc_verdict"]

@@ -20,13 +20,13 @@ def heldout_loss(model: CausalLM, tokens: Union[np.ndarray, TokenSequence], batc
                  num_batches: Optional[int] = None, spread: bool = False, progress: Optional[str] = None,
                  starts: Optional[np.ndarray] = None) -> dict:
     """Mean next-token loss over fixed windows of the held-out split (all of it when num_batches is None),
-    with the standard error of that mean estimated from the spread of the per-window means, and those
-    per-window means (two models on the same windows compare paired: spes/eval/compare.py). `progress`: what
+    with the standard error of that mean estimated from the spread of the per-window means, the share of
+    tokens whose most likely next token is the right one (`accuracy`, top-1), and those per-window means (two models on the same windows compare paired: spes/eval/compare.py). `progress`: what
     is being scored, said on stderr before it starts (with a tqdm bar of the windows on a terminal). `starts`:
     the windows to score (heldout_windows), in place of num_batches and spread."""
     model.eval()
     device = next(model.parameters()).device
-    per_window = []
+    per_window, correct = [], 0
     if starts is None:
         starts = eval_window_starts(len(as_sequence(tokens)), seq_len,
                                     None if num_batches is None else num_batches * batch_size, spread)
@@ -37,11 +37,12 @@ def heldout_loss(model: CausalLM, tokens: Union[np.ndarray, TokenSequence], batc
         logits = model(x.to(device)).logits.float()
         nll_BS = torch.nn.functional.cross_entropy(logits.transpose(1, 2), y.to(device), reduction="none")
         per_window.append(nll_BS.double().mean(dim=1))
+        correct += int((logits.argmax(dim=-1) == y.to(device)).sum())
     w = torch.cat(per_window)  # every window has seq_len tokens: the loss is the mean of the window means
     loss = w.mean().item()
     se = (w.std(unbiased=True) / math.sqrt(len(w))).item() if len(w) > 1 else float("nan")
     return {"loss": loss, "se": se, "perplexity": math.exp(min(loss, 50.0)), "tokens": len(w) * seq_len,
-            "windows": len(w), "per_window": w.tolist()}
+            "windows": len(w), "per_window": w.tolist(), "accuracy": correct / (len(w) * seq_len)}
 
 
 def _with_progress(batches, what: str, windows: int, batch_size: int, seq_len: int):

@@ -1,5 +1,5 @@
 """The comparison's report as markdown (artifacts/compare*/report.md), from summarize's numbers
-(spes/eval/compare.py): one section per function, in the report's order."""
+(spes/eval/compare.py): one section per function, in the report's order; and the columns of its CSV files."""
 from __future__ import annotations
 
 import math
@@ -7,6 +7,19 @@ from typing import Optional
 
 from spes.config.schema import Params
 from spes.eval.stats import MIN_SEEDS_FOR_A_CLAIM
+
+CSV_COLUMNS = ["variant", "budget", "seeds", "lr", "heldout_loss_mean", "heldout_loss_std", "heldout_loss_se",
+               "ratio_to_centralized", "diff_to_baseline", "diff_to_baseline_se", "tokens",
+               "trainable_params_per_node", "memory_bytes_per_node", "peak_bytes_per_node",
+               "bytes_per_node_per_round", "wall_s", "num_experts", "state_bytes_per_node"]
+PAIR_COLUMNS = ["variant", "reference", "budget", "lr", "seeds", "diff", "diff_se", "per_seed", "seed_se", "verdict",
+                "doc_diff", "doc_diff_se", "doc_verdict"]
+
+
+def csv_columns(rows: list[dict]) -> list[str]:
+    """CSV_COLUMNS, then the metric means the rows have."""
+    extra = sorted({k for row in rows for k in row if k.endswith("_mean") and k not in CSV_COLUMNS})
+    return CSV_COLUMNS + extra
 
 
 def _fmt_bytes(n: Optional[float]) -> str:
@@ -34,7 +47,7 @@ def report_markdown(p: Params, summary: dict) -> str:
         out.append(f"\nMemory per node: at most {_fmt_bytes(mem_budget)} MiB of weights + gradients + Adam "
                    f"(compare.node_memory: {c.node_memory}); planned by spes/train/plan.py, measured = what a node's "
                    "tensors held after its last step.\n")
-    out += _budget_tables(p, summary, mem_budget)
+    out += _budget_tables(p, summary, mem_budget) + _metrics_section(summary["rows"])
     out += _pairs_section(summary) + _round_pairs_section(summary) + _reach_section(p, summary)
     out += _frontier_section(p, summary)
     out += _slice_section(summary) + _sweep_section(summary)
@@ -59,6 +72,19 @@ def _budget_tables(p: Params, summary: dict, mem_budget: Optional[float]) -> lis
                        f"{r['tokens']} | {_epochs(r.get('epochs'))} | {r['trainable_params_per_node']} | {_fmt_bytes(r['memory_bytes_per_node'])}, "
                        f"{_fmt_bytes(r.get('state_bytes_per_node'))} |{within} "
                        f"{_fmt_bytes(r['bytes_per_node_per_round'])} | {r['wall_s']:.0f} |")
+    return out
+
+
+def _metrics_section(rows: list[dict]) -> list[str]:
+    """The cells' other metrics by name (result.json `metrics`), means over seeds; none for cells run before."""
+    names = [c[: -len("_mean")] for c in csv_columns(rows)[len(CSV_COLUMNS):]]
+    if not names:
+        return []
+    out = ["\n## Other metrics (mean over seeds)\n", "| variant | budget | " + " | ".join(names) + " |",
+           "|---|---|" + "---|" * len(names)]
+    for r in rows:
+        out.append(f"| {r['variant']} | {r['budget']} | "
+                   + " | ".join(f"{r[n + '_mean']:.4f}" if n + "_mean" in r else "-" for n in names) + " |")
     return out
 
 

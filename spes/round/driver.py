@@ -44,7 +44,12 @@ def heldout_due(p: Params, r: int) -> bool:
 
 class HeldOutProbe:
     """Held-out loss of committed globals on eval.round_batches batches of the held-out split, their windows
-    spread over it (eval.round_windows)."""
+    spread over it (eval.round_windows), and the round's other metrics of that score, by name (`METRICS`):
+    a new per-round metric is a name here and, if the score does not compute it yet, a line in
+    spes/eval/heldout.py; the round's record, TensorBoard and the round's table in the UI take it by name."""
+
+    METRICS = {"heldout_accuracy": "accuracy", "heldout_se": "se"}
+    """record metric name -> the held-out score's key."""
 
     def __init__(self, p: Params, tokens_dir: Optional[str] = None):
         self.p = p
@@ -52,13 +57,14 @@ class HeldOutProbe:
         self._data: Optional[TokenData] = None
 
     def __call__(self, run: Run, r: int) -> dict:
-        """heldout_loss's result: the loss and each window's (`per_window`)."""
+        """heldout_loss's result: the loss, each window's (`per_window`) and the named `metrics`."""
         if self._data is None:
             self._data = TokenData.open(self.tokens_dir)
         e = self.p.eval
         model, _ = run.load_model(r)
-        return heldout_loss(model, self._data.val, e.batch_size, e.seq_len,
-                            starts=heldout_windows(e, self._data, per_round=True))
+        ev = heldout_loss(model, self._data.val, e.batch_size, e.seq_len,
+                          starts=heldout_windows(e, self._data, per_round=True))
+        return dict(ev, metrics={name: ev[key] for name, key in self.METRICS.items()})
 
 
 def resume_point(p: Params, run: Run, resume_round, has_local_state=None) -> int:
@@ -116,16 +122,16 @@ def run_round(ctx: RoundContext, r: int, run_nodes: NodeRunner, aggregate: Aggre
                   for _, n in sorted(rows.items()) if not n.ok]
         raise QuorumError(f"{e}" + (f"; {'; '.join(causes)}" if causes else "")) from None
     wall = time.time() - t0
-    loss, windows, heldout_s = None, None, 0.0
+    loss, windows, heldout_s, metrics = None, None, 0.0, {}
     if heldout is not None and heldout_due(p, r):
         t1 = time.time()
         ev = heldout(run, r)
-        loss, windows = ev["loss"], ev.get("per_window")
+        loss, windows, metrics = ev["loss"], ev.get("per_window"), ev.get("metrics", {})
         heldout_s = time.time() - t1
     reports = [rows[i] for i in sorted(rows)]
     record = RoundRecord(round=r, wall_s=wall, max_node_compute_s=max((n.seconds_compute for n in reports), default=0.0),
                          nodes=reports, aggregate=agg, heldout_loss=loss, heldout_s=heldout_s,
-                         tokens=sum(n.tokens for n in reports), heldout_windows=windows)
+                         tokens=sum(n.tokens for n in reports), heldout_windows=windows, metrics=metrics)
     run.write_record(r, record)
     dropped = run.retire(r, p.storage.keep_rounds, p.checkpoint.keep_last, p.sync.overlap != "none")
     if dropped:

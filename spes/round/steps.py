@@ -105,17 +105,9 @@ def _data_stream(p: Params, nodes: int, data: TokenData, job: Assignment, batch:
     return BatchStream(data.train, batch, t.seq_len, t.seed, job.slot, job.position, order=order, num_nodes=nodes)
 
 
-def train(local: LocalRound, begin: Start, on_step: Optional[Callable[[int], None]] = None,
-          log_progress: bool = True) -> Trained:
-    """Every rank: the node's `sync.every_steps` local steps from `begin` (global r-1, or with sync.overlap the
-    node's own model: spes/round/inputs.py), this rank's share of each batch."""
-    t0 = time.perf_counter()
-    ctx, r, node, data = local.ctx, local.r, local.node, local.data
+def _trainer(p: Params, begin: Start, device: torch.device) -> Trainer:
+    """This rank's trainer: the model built from the round's start, the node's optimizer state loaded."""
     start, optim, job = begin.model, begin.optim, begin.assignment
-    p, method = ctx.p, ctx.method
-    steps = p.sync.every_steps
-    rank, ranks = rank_and_size()
-    device = resolve_device(p.orchestration.device, node * ranks + rank)
     cfg = model_for_training(job.model_config, p.model)
     if shards_node(p.train.node_parallel):  # built without storage; each rank's shards come from rank 0's tensors
         with torch.device("meta"):
@@ -129,6 +121,20 @@ def train(local: LocalRound, begin: Start, on_step: Optional[Callable[[int], Non
         trainer = build_node_trainer(p, model.to(device), job.owned, None, job.expert_steps)
     if optim is None or optim:  # None: a sharded node's rank other than 0, whose shards come from rank 0
         trainer.load_optimizer_tensors(optim)
+    return trainer
+
+
+def train(local: LocalRound, begin: Start, on_step: Optional[Callable[[int], None]] = None,
+          log_progress: bool = True) -> Trained:
+    """Every rank: the node's `sync.every_steps` local steps from `begin` (global r-1, or with sync.overlap the
+    node's own model: spes/round/inputs.py), this rank's share of each batch."""
+    t0 = time.perf_counter()
+    ctx, r, node, data = local.ctx, local.r, local.node, local.data
+    job, p, method = begin.assignment, ctx.p, ctx.method
+    steps = p.sync.every_steps
+    rank, ranks = rank_and_size()
+    device = resolve_device(p.orchestration.device, node * ranks + rank)
+    trainer = _trainer(p, begin, device)
     torch.manual_seed(node_seed(p.train.seed, node, r))
     batch = method.node_batch_size
     stream = _data_stream(p, method.nodes, data, job, batch)

@@ -15,6 +15,8 @@ so the loss charts sort first:
                     speed/tokens_per_s_within   the same between two progress lines (orchestration.log_every_steps)
                     traffic/up_bytes, traffic/down_bytes   what the node wrote and read for the round
     <run>/global    loss/heldout           the committed global's held-out loss (eval.every_rounds)
+                    eval/<name>            the round's other metrics of that global, by name (the record's
+                                           `metrics`: heldout_accuracy, heldout_se, ...)
                     optim/lr               the learning rate of each step (the schedule the nodes follow)
                     tokens/train           the run's training tokens after each step (all nodes)
                     round/wall_s, round/max_node_compute_s, round/heldout_s, round/merge_alpha
@@ -97,6 +99,9 @@ class RunBoard:
         x = rec.round * s.every_steps  # the round's last step
         if rec.heldout_loss is not None:
             g.add_scalar("loss/heldout", rec.heldout_loss, x)
+        for name, value in sorted(rec.metrics.items()):
+            if value is not None:
+                g.add_scalar(f"eval/{name}", value, x)
         for n in ok:
             assert n.upload is not None
             w = self._writer(f"node{n.node}")

@@ -292,9 +292,13 @@ class RoundRecord(Record):
     tokens: int = 0
     version: int = RECORD_VERSION
     heldout_windows: Optional[list[float]] = None  # each window of the round's held-out slice (compare.round_pairs)
+    metrics: dict[str, Optional[float]] = field(default_factory=dict)
+    """The round's other measures of the committed global, by name (spes/round/driver.py's HeldOutProbe
+    names them); records written before they existed read as none."""
 
     def to_json(self) -> dict:
         d = super().to_json()
         if d["heldout_loss"] is not None and not math.isfinite(d["heldout_loss"]):
             d["heldout_loss"] = None  # JSON has no NaN
+        d["metrics"] = {k: v if v is not None and math.isfinite(v) else None for k, v in d["metrics"].items()}
         return d

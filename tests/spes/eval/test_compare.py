@@ -105,6 +105,25 @@ def test_summary_exact_numbers():
     assert "| spes | 1x | 0.002 | 3.6000 | 0.1414 |" in md
 
 
+def test_metrics_are_picked_up_by_name_where_every_seed_has_them():
+    from spes.eval.report import CSV_COLUMNS, csv_columns
+
+    p = load_params(PARAMS_YAML)
+    p.compare.variants = {"spes": [], "centralized": ["sync.method=centralized"]}
+    p.compare.lrs = [0.002]
+    results = [_result("spes", 0, 0.002, 3.0, metrics={"heldout_accuracy": 0.25, "x": 1.0}),
+               _result("spes", 1, 0.002, 3.2, metrics={"heldout_accuracy": 0.5}),
+               _result("centralized", 0, 0.002, 2.5), _result("centralized", 1, 0.002, 2.7)]  # run before metrics
+    rows = {r["variant"]: r for r in summarize(p, results)["rows"]}
+    assert rows["spes"]["heldout_accuracy_mean"] == 0.375 and "x_mean" not in rows["spes"]
+    assert not any(k.endswith("_mean") and k not in CSV_COLUMNS for k in rows["centralized"])
+    assert csv_columns(list(rows.values())) == CSV_COLUMNS + ["heldout_accuracy_mean"]
+    md = report_markdown(p, summarize(p, results))
+    assert "| variant | budget | heldout_accuracy |" in md and "| spes | 1 | 0.3750 |" in md
+    assert "| centralized | 1 | - |" in md
+    assert "Other metrics" not in report_markdown(p, summarize(p, [r for r in results if r["variant"] == "centralized"]))
+
+
 def test_paired_difference_to_the_baseline():
     p = load_params(PARAMS_YAML)
     p.compare.variants = {"spes": [], "centralized": ["sync.method=centralized"]}

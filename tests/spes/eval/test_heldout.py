@@ -24,6 +24,20 @@ def test_heldout_loss_of_uniform_model_is_log_vocab():
     assert ev["loss"] == pytest.approx(np.log(50), rel=1e-5) and ev["tokens"] == 8 * 16
 
 
+def test_accuracy_is_the_share_of_tokens_whose_likeliest_next_token_is_right():
+    torch.manual_seed(0)
+    model = CausalLM(tiny_config(vocab_size=50, num_layers=1))
+    tokens = np.arange(300) % 7  # a pattern a model can get partly right by chance
+    ev = heldout_loss(model, tokens, batch_size=4, seq_len=16, num_batches=3)
+    x = torch.from_numpy(tokens[: 12 * 16 + 1].astype("int64"))
+    right = 0
+    with torch.no_grad():
+        for w in range(12):
+            window = x[w * 16: w * 16 + 17]
+            right += int((model(window[None, :-1]).logits[0].argmax(-1) == window[1:]).sum())
+    assert ev["accuracy"] == right / (12 * 16) and ev["tokens"] == 12 * 16
+
+
 def test_long_scoring_says_what_it_does_and_gives_the_same_numbers(capsys):
     torch.manual_seed(0)
     model = CausalLM(tiny_config(vocab_size=50, num_layers=1))
