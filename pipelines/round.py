@@ -8,9 +8,10 @@
                                   uncommitted attempt is redone whole); an upload that fails verification is
                                   set aside and its node re-run once
 
-Tasks receive the parsed, validated `Params` from the flow (nothing is re-read from disk) and work with the
-run's context (spes/round/context.py), built once per flow run by `open_run` with the aggregator beside
-it: one store, one sync method and codec, and one read of global r-1 per round in this process. A table
+Tasks receive the parsed, validated `Params` from the flow (nothing is re-read from disk) and work with their
+flow run's session (pipelines/flow_runs.py): the run's context (spes/round/context.py), the aggregator and the
+executor, built once where the flow run starts: one store, one sync method and codec, and one read of global
+r-1 per round in this process. A table
 artifact per round (node, loss, tokens, bytes up/down, seconds, expert load) shows in the Prefect UI.
 """
 
@@ -25,13 +26,11 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.futures import wait
 
-from pipelines.executors import executor_for
+from pipelines.flow_runs import FLOW_RUNS
 from pipelines.formatting import fmt_balance, fmt_bytes, fmt_experts, fmt_loss, fmt_metrics, fmt_seconds
 from pipelines.round_progress import RoundProgress
 from spes.config.schema import Params
 from spes.errors import retryable
-from spes.round.aggregator import Aggregator
-from spes.round.context import RoundContext
 from spes.round.driver import HeldOutProbe, round_members, run_round
 from spes.round.node import committed_report
 from spes.run.records import GlobalMeta, NodeReport, RoundRecord
@@ -55,14 +54,15 @@ def node_task(p: Params, run: str, r: int, node: int, deadline: float, checkpoin
               tokens_key: Optional[str] = None) -> NodeReport:
     """One node's local steps. A crash raises (Prefect retries it); missing the round deadline returns
     status 'timeout' so the round proceeds with a quorum."""
-    ctx = run_context(p, run)
+    session = FLOW_RUNS.current(p, run)
+    ctx = session.ctx
     done = committed_report(ctx.run, r, node)
     if done is not None:  # committed by an earlier try or flow run
         return done
     remaining = deadline - time.time()
     if remaining <= 0:
         return NodeReport(node, "timeout")
-    status, report = executor_for(p).run_node(ctx, r, node, remaining, checkpoint, tokens_key)
+    status, report = session.node_executor.run_node(ctx, r, node, remaining, checkpoint, tokens_key)
     if status != "ok":
         get_run_logger().warning("node %d missed the round %d deadline", node, r)
         return NodeReport(node, status)
@@ -82,34 +82,7 @@ def worth_retrying(task, task_run, state) -> bool:
 
 @task(task_run_name="aggregate-round-{r}")
 def aggregate_task(p: Params, run: str, r: int, rerun_rejected: bool) -> GlobalMeta:
-    return _opened(p, run)[1].aggregate(r, p.orchestration.min_nodes, rerun_rejected)
-
-
-_OPEN: tuple[RoundContext, Aggregator] | None = None
-"""The run this flow process works on: its context and its aggregator (which holds the global it committed
-last for the next round). One run at a time per flow process."""
-
-
-def open_run(p: Params, run: str) -> RoundContext:
-    """At a flow run's start: the run's context as its writer, and its aggregator (the previous run's model is
-    let go; what another process did to the run since is read anew)."""
-    global _OPEN
-    _OPEN = None
-    ctx = RoundContext.build(p, run, writer=True, role="orchestrator")
-    _OPEN = (ctx, Aggregator(ctx))
-    return ctx
-
-
-def _opened(p: Params, run: str) -> tuple[RoundContext, Aggregator]:
-    """What `open_run` built for this run and settings (a task called outside a flow opens it here)."""
-    if _OPEN is None or _OPEN[0].name != run or _OPEN[0].p != p:
-        open_run(p, run)
-    assert _OPEN is not None
-    return _OPEN
-
-
-def run_context(p: Params, run: str) -> RoundContext:
-    return _opened(p, run)[0]
+    return FLOW_RUNS.current(p, run).aggregator.aggregate(r, p.orchestration.min_nodes, rerun_rejected)
 
 
 def _table(rows: list[NodeReport], agg: GlobalMeta) -> list[dict]:
@@ -153,7 +126,7 @@ def _node_runner(p: Params, run: str, r: int, deadline: float, tokens_key):
 @task(task_run_name="round-{r}")
 def round_task(p: Params, run: str, r: int, checkpoint: bool = False, tokens_key: Optional[str] = None) -> RoundRecord:
     deadline = time.time() + p.orchestration.round_timeout_s
-    ctx = run_context(p, run)
+    ctx = FLOW_RUNS.current(p, run).ctx
     RoundProgress.start(artifact_key(run, "round", r, "progress"), run, r, len(round_members(ctx, r)))
     aggregate = aggregate_task.with_options(retries=p.storage.retries, retry_delay_seconds=2,
                                             retry_condition_fn=worth_retrying)

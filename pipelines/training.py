@@ -18,9 +18,10 @@ from prefect.runtime import flow_run
 
 from pipelines import stopping
 from pipelines.executors import NodeExecutor, executor_for
+from pipelines.flow_runs import FLOW_RUNS
 from pipelines.formatting import load_heatmap, sparkline
 from pipelines.library_logs import relay_library_logs
-from pipelines.round import artifact_key, experiment_label, open_run, round_task
+from pipelines.round import artifact_key, experiment_label, round_task
 from spes.config.loader import load_params, to_dict
 from spes.config.local_paths import check_local_paths
 from spes.config.schema import check_against_model
@@ -76,7 +77,7 @@ def spes_training(params_path: str = "params.yaml", overrides: Optional[list[str
     run = p.orchestration.run_name
     if not run_name:
         _rename_flow_run(run, stage, resume_round)
-    ctx = open_run(p, run)
+    ctx = FLOW_RUNS.open(p, run, executor).ctx
     executor.prepare(ctx)  # before the lease and any round
     if resume_round is not None and ctx.run.info() is None and not ctx.run.committed_rounds():
         raise ProtocolError(f"resume_round={resume_round}: run {run!r} has nothing to resume on "
@@ -94,6 +95,7 @@ def spes_training(params_path: str = "params.yaml", overrides: Optional[list[str
             raise
         finally:
             executor.close()
+            FLOW_RUNS.close()
 
 
 def _stop_what_is_in_flight(why: str) -> None:
