@@ -45,6 +45,14 @@ def _nodes(p, run, data, r):
     return run_nodes
 
 
+def round_one(p, run, data, heldout=None):
+    """Round 1 through the driver, with the flow's context and aggregator; its record."""
+    ctx = _writer(p, run)
+    agg = Aggregator(ctx)
+    return run_round(ctx, 1, _nodes(p, run, data, 1), lambda rerun: agg.aggregate(1, rerun_rejected=rerun),
+                     checkpoint=False, heldout=heldout)
+
+
 @pytest.fixture(scope="module")
 def data(tiny_tokens):
     return TokenData.open(tiny_tokens)
@@ -77,8 +85,7 @@ def test_a_round_records_what_happened_and_a_missing_quorum_names_the_cause(tmp_
     run = _start(p)
     ctx = _writer(p, run)
     agg = Aggregator(ctx)
-    rec = run_round(ctx, 1, _nodes(p, run, data, 1), lambda rerun: agg.aggregate(1, rerun_rejected=rerun),
-                    checkpoint=False, heldout=HeldOutProbe(p, data.folder))
+    rec = round_one(p, run, data, HeldOutProbe(p, data.folder))
     assert run.record(1) == rec and rec.heldout_loss is not None and rec.heldout_s > 0
     # each window of the round's slice kept (per-round paired differences: spes/eval/compare.py round_pairs)
     windows = rec.heldout_windows

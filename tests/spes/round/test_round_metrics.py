@@ -7,11 +7,10 @@ import pytest
 
 from pipelines.round import table_description
 from spes.data.tokens import TokenData
-from spes.round.aggregator import Aggregator
-from spes.round.driver import HeldOutProbe, run_round
+from spes.round.driver import HeldOutProbe
 from spes.run.board import RunBoard, board_dir
 from spes.run.records import RoundRecord
-from tests.spes.round.test_driver import _nodes, _params, _start, _writer
+from tests.spes.round.test_driver import _params, _start, round_one
 from tests.spes.run.test_board import _read
 
 
@@ -25,10 +24,7 @@ def test_a_metric_named_in_one_place_reaches_the_record_the_board_and_the_table(
     p = _params(tmp_path, rounds=1)
     p.artifacts_dir = str(tmp_path / "artifacts")  # the board's events under it
     run = _start(p)
-    ctx = _writer(p, run)
-    agg = Aggregator(ctx)
-    rec = run_round(ctx, 1, _nodes(p, run, data, 1), lambda rerun: agg.aggregate(1, rerun_rejected=rerun),
-                    checkpoint=False, heldout=HeldOutProbe(p, data.folder))
+    rec = round_one(p, run, data, HeldOutProbe(p, data.folder))
     m = run.record(1).metrics
     assert sorted(m) == ["heldout_accuracy", "heldout_perplexity", "heldout_se"] and m == rec.metrics
     assert 0.0 <= m["heldout_accuracy"] <= 1.0
@@ -46,10 +42,7 @@ def test_a_metric_named_in_one_place_reaches_the_record_the_board_and_the_table(
 def test_a_record_written_before_metrics_reads_as_having_none(tmp_path, data):
     p = _params(tmp_path, rounds=1)
     run = _start(p)
-    ctx = _writer(p, run)
-    agg = Aggregator(ctx)
-    rec = run_round(ctx, 1, _nodes(p, run, data, 1), lambda rerun: agg.aggregate(1, rerun_rejected=rerun),
-                    checkpoint=False)
+    rec = round_one(p, run, data)
     old = rec.to_json()
     del old["metrics"]
     back = RoundRecord.from_json(json.loads(json.dumps(old)), "an old record")
