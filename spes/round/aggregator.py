@@ -70,7 +70,6 @@ class Aggregator:
         t0 = time.perf_counter()
         store.remove(layout.delta_dir(r))  # a delta of a global that was never committed (crash in between)
         prev, prev_meta = self.run.global_manifest(r - 1), self.run.global_meta(r - 1)
-        base_sha = prev["files"][MODEL_FILE]["sha256"]
         membership = membership_of(prev_meta, method)
         members = membership.members
         need = min(min_nodes if min_nodes is not None else len(members), len(members))
@@ -89,7 +88,7 @@ class Aggregator:
                 raise QuorumError(f"round {r}: only nodes {sorted(uploads)} committed"
                                   + (f" ({len(rejected)} rejected)" if rejected else "")
                                   + f", quorum is {need} of {len(members)} (members {members})")
-            attempt = RoundAttempt(self.ctx, base, fit, self._take_held(r - 1, base_sha))
+            attempt = RoundAttempt(self.ctx, base, fit, self._take_held(r - 1, base.sha256))
             try:
                 with one_torch_thread():
                     written = attempt.run()
@@ -103,9 +102,9 @@ class Aggregator:
         """Delta r, then global r with its meta (the next round's membership, the node states, the index)."""
         p, store, layout, method = self.p, self.store, self.layout, self.method
         delta, glob, expert_files = written
-        r, prev, prev_meta, membership = attempt.r, attempt.prev, attempt.base.meta, attempt.base.membership
+        r, prev_meta, membership = attempt.r, attempt.base.meta, attempt.base.membership
         uploads, metas = attempt.contributions.uploads, attempt.contributions.metas
-        base_sha = prev["files"][MODEL_FILE]["sha256"]
+        base_sha = attempt.base.sha256
         num_experts = prev_meta.model_config.get("num_experts", 0)
         members = membership.members
         new_sha = glob.entries[MODEL_FILE]["sha256"]
